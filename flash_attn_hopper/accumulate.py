@@ -1,0 +1,55 @@
+"""O += P·V with O re-entering the tensor cores, and the one interpreter-only formulation.
+
+On the GPU, the running output re-enters wgmma as its accumulator (`plgpu.ACC.init`, through
+`layouts.to_accumulator_layout`) and P comes straight from registers, so neither the add nor
+a trip through shared memory costs anything.
+
+jax 0.11.2's Mosaic GPU interpreter (`plgpu.force_gpu_interpret_mode`), which CI uses to run
+the real kernels on a CPU, lacks three things this needs: `pl.run_state(f)(plgpu.ACC.init(x))`,
+a store into an ACC ref, and a wgmma whose left operand is in registers. With
+`interpret=True` the left operand is staged through shared memory, the product goes into a
+fresh zero accumulator (`pl.run_scoped(f, plgpu.ACC(...))`) and is added in registers: the
+same sum. This module is the only place that branches on the interpreter.
+"""
+
+from __future__ import annotations
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from flash_attn_hopper import layouts
+
+
+def staging_types(num_buffers: int, shape, dtype, *, interpret: bool) -> tuple:
+  """Shared memory the interpreter's formulation stages the left operand in: one
+  `(num_buffers, *shape)` buffer when interpreting, none on the GPU. The kernel allocates it
+  with its other scratch (the interpreter only allows collective allocations)."""
+  return (plgpu.SMEM((num_buffers, *shape), dtype),) if interpret else ()
+
+
+def matmul_accumulate(acc, lhs, rhs_smem, *, staging=None, while_running=lambda: None):
+  """Returns acc + lhs @ rhs_smem (float32), running `while_running()` during the matmul.
+
+  Args:
+    acc: (M, N) float32 accumulator in `Layout.WGMMA`.
+    lhs: (M, K) 16-bit array in registers (`Layout.WGMMA`).
+    rhs_smem: (K, N) shared-memory ref.
+    staging: None on the GPU; when interpreting, an (M, K) shared-memory ref from
+      `staging_types`, and the interpreter's formulation is taken (see the module docstring).
+    while_running: work to overlap with the asynchronous matmul (e.g. a barrier wait).
+  """
+  if staging is None:
+    def issue(acc_ref):
+      plgpu.wgmma(acc_ref, lhs, rhs_smem)
+      while_running()
+    return pl.run_state(issue)(plgpu.ACC.init(layouts.to_accumulator_layout(acc)))
+
+  staging[...] = lhs
+  plgpu.commit_smem()
+
+  def fresh(acc_ref):
+    plgpu.wgmma(acc_ref, staging, rhs_smem)
+    while_running()
+    return acc_ref[...]
+  return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))

@@ -1,0 +1,166 @@
+"""`dot_product_attention`: `jax.nn.dot_product_attention`'s signature, on our kernels.
+
+The wrapper canonicalizes and the kernels assume canonical input: validation, the TNH → BTNH
+reshape, the choice of implementation, the padding of tiny sequences and the LSE layout all
+happen here, once.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flash_attn_hopper import autodiff
+from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import hardware
+from flash_attn_hopper.kernels import forward as forward_kernel
+
+#: Names `implementation` accepts. None picks ours on Hopper and XLA elsewhere.
+KERNEL = "flash_attn_hopper"
+IMPLEMENTATIONS = (None, KERNEL, "xla", "cudnn")
+KERNEL_DTYPES = tuple(jnp.dtype(d) for d in config_lib.SUPPORTED_DTYPES)
+
+
+@functools.cache
+def on_hopper() -> bool:
+  """Whether the default JAX device is an sm90 (Hopper) GPU."""
+  device = jax.devices()[0]
+  return (device.platform == "gpu"
+          and getattr(device, "compute_capability", None) == hardware.HOPPER_COMPUTE_CAPABILITY)
+
+
+@functools.cache
+def _warn_fallback_once() -> None:
+  device = jax.devices()[0]
+  warnings.warn(
+      f"flash_attn_hopper: no Hopper (sm90) GPU found (default device: {device.device_kind}); "
+      "dot_product_attention falls back to jax.nn's XLA implementation. Pass "
+      "implementation='xla' to silence this, or interpret=True to run our kernel through the "
+      "Mosaic GPU interpreter.", RuntimeWarning, stacklevel=3)
+
+
+def _check_shapes(query, key, value) -> None:
+  """Raises ValueError/TypeError naming the argument and what was expected."""
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if x.ndim not in (3, 4):
+      raise ValueError(f"{name} must have rank 4 (B, T, N, H) or 3 (T, N, H); got shape {x.shape}")
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError(f"query, key and value must have the same rank; got shapes "
+                     f"{query.shape}, {key.shape}, {value.shape}")
+  if key.shape != value.shape:
+    raise ValueError(f"value must have key's shape {key.shape}; got {value.shape}")
+  if query.ndim == 4 and query.shape[0] != key.shape[0]:
+    raise ValueError(f"query and key must have the same batch size; got {query.shape[0]} and "
+                     f"{key.shape[0]}")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query and key must have the same head dim; got {query.shape[-1]} and "
+                     f"{key.shape[-1]}")
+  n, k = query.shape[-2], key.shape[-2]
+  if k == 0 or n % k:
+    raise ValueError(f"the number of query heads ({n}) must be a multiple of the number of "
+                     f"key/value heads ({k})")
+  if not query.dtype == key.dtype == value.dtype:
+    raise TypeError(f"query, key and value must have one dtype; got {query.dtype}, "
+                    f"{key.dtype}, {value.dtype}")
+
+
+def _check_kernel_support(query, unsupported: dict) -> None:
+  """Raises for what the kernel cannot do yet, naming the argument or value."""
+  for name, value in unsupported.items():
+    if value is not None:
+      raise NotImplementedError(
+          f"flash_attn_hopper's kernel does not support `{name}` yet; pass "
+          f"implementation='xla' or 'cudnn' to use jax.nn's implementation for it")
+  if query.dtype not in KERNEL_DTYPES:
+    raise TypeError(f"flash_attn_hopper's kernel supports dtypes "
+                    f"{', '.join(config_lib.SUPPORTED_DTYPES)}; got {query.dtype}")
+  if query.shape[-1] not in config_lib.SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"flash_attn_hopper's kernel supports head dims "
+                     f"{config_lib.SUPPORTED_HEAD_DIMS}; got {query.shape[-1]}")
+
+
+def _pad_axis1(x, length: int):
+  """Zero-pads axis 1 up to `length` (only tiny sequences, shorter than one tile)."""
+  if x.shape[1] >= length:
+    return x
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _kernel_attention(q, k, v, *, scale, is_causal, config, interpret):
+  """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32."""
+  t, s = q.shape[1], k.shape[1]
+  cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, is_causal, config)
+  opts = forward_kernel.ForwardOptions(scale=float(scale), is_causal=bool(is_causal),
+                                       config=cfg, interpret=bool(interpret), seq_kv=s)
+  out, lse = autodiff.attention(_pad_axis1(q, cfg.rows_per_cta), _pad_axis1(k, cfg.block_kv),
+                                _pad_axis1(v, cfg.block_kv), opts)
+  return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, implementation=None, return_residual=False,
+                          interpret=False, config=None):
+  """Scaled dot-product attention with `jax.nn.dot_product_attention`'s semantics.
+
+  Args:
+    query: (B, T, N, H) or (T, N, H).
+    key, value: (B, S, K, H) or (S, K, H); N must be a multiple of K (GQA; K = 1 is MQA).
+      K/V are never repeated in memory.
+    bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size: as in `jax.nn`.
+      The kernel does not support them yet: with the kernel they raise NotImplementedError;
+      with implementation='xla' or 'cudnn' they go to `jax.nn`.
+    scale: logit scale; default 1/sqrt(H).
+    is_causal: top-left aligned causal mask (query i sees keys j <= i), as in `jax.nn`. KV
+      blocks above the diagonal are skipped.
+    implementation: None (our kernel on a Hopper GPU; elsewhere XLA, with one warning),
+      'flash_attn_hopper' (our kernel; an error off Hopper unless `interpret`), 'xla' or
+      'cudnn' (`jax.nn.dot_product_attention`'s own).
+    return_residual: also return the log-sum-exp of the scaled logits, shape (B, T, N) or
+      (T, N), in float32 from the kernel (jax.nn's paths return it in the input dtype).
+    interpret: run our kernel through the Mosaic GPU interpreter (on a CPU; slow, for tests).
+    config: a `ForwardConfig` overriding the tuned block sizes.
+
+  Kernel dtypes are float16 and bfloat16; head dims 64, 128 and 256; any T ≥ 1 and S ≥ 1.
+
+  Returns:
+    The output, shaped like `query` and in its dtype; with `return_residual`, (output, lse).
+
+  Example:
+    >>> out = dot_product_attention(q, k, v, is_causal=True)  # q: (2, 4096, 16, 128) bf16
+  """
+  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
+  _check_shapes(query, key, value)
+  masks = dict(bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
+               key_value_seq_lengths=key_value_seq_lengths,
+               local_window_size=local_window_size)
+
+  use_kernel = interpret or implementation == KERNEL or (implementation is None and on_hopper())
+  if not use_kernel:
+    if implementation is None:
+      _warn_fallback_once()
+    return jax.nn.dot_product_attention(
+        query, key, value, **masks, scale=scale, is_causal=is_causal,
+        implementation=implementation or "xla", return_residual=return_residual)
+  if not interpret and not on_hopper():
+    raise RuntimeError(
+        f"implementation='{KERNEL}' needs an sm90 (Hopper) GPU; the default device is "
+        f"{jax.devices()[0].device_kind}. Use implementation=None to fall back to XLA, or "
+        f"interpret=True to run the kernel through the Mosaic GPU interpreter.")
+  _check_kernel_support(query, masks)
+
+  squeeze = query.ndim == 3
+  if squeeze:
+    query, key, value = query[None], key[None], value[None]
+  scale = 1.0 / np.sqrt(query.shape[-1]) if scale is None else scale
+  out, lse = _kernel_attention(query, key, value, scale=scale, is_causal=is_causal,
+                               config=config, interpret=interpret)
+  if squeeze:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out

@@ -1,0 +1,104 @@
+"""Block sizes and pipeline depth of the forward kernel: a frozen config, a tuned table and the
+one function that resolves them.
+
+Resolution order (`resolve_forward_config`): an explicit config first, then the tuned table,
+then a heuristic; each candidate is checked against the shared-memory estimate before any
+compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flash_attn_hopper import hardware
+from flash_attn_hopper import pipeline
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+  """Tile shape of the forward kernel.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (the CTA covers 2·block_q rows). A multiple of
+      64, the wgmma M.
+    block_kv: keys per pipeline step. A multiple of 64 (the TMA/swizzle tile).
+    num_stages: K/V slots in the shared-memory ring, at least 2 so that a load overlaps compute.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for field in ("block_q", "block_kv", "num_stages"):
+      value = getattr(self, field)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"ForwardConfig.{field} must be an int, got {value!r}")
+    if self.block_q <= 0 or self.block_q % hardware.WGMMA_ROWS:
+      raise ValueError(f"ForwardConfig.block_q must be a positive multiple of "
+                       f"{hardware.WGMMA_ROWS}, got {self.block_q}")
+    if self.block_kv <= 0 or self.block_kv % 64:
+      raise ValueError(f"ForwardConfig.block_kv must be a positive multiple of 64, "
+                       f"got {self.block_kv}")
+    if self.num_stages < 2:
+      raise ValueError(f"ForwardConfig.num_stages must be at least 2, got {self.num_stages}")
+
+  @property
+  def rows_per_cta(self) -> int:
+    return pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q
+
+  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
+    """Shared memory the kernel allocates: Q/O tiles, the K/V ring and the LSE tiles."""
+    q_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * head_dim * itemsize
+    kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+    lse_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * 4
+    return q_tiles + kv_ring + lse_tiles
+
+  def check_fits(self, head_dim: int, itemsize: int) -> None:
+    """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
+    need = self.smem_bytes(head_dim, itemsize)
+    budget = hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES
+    if need > budget:
+      raise ValueError(
+          f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
+          f"{budget}-byte budget; lower ForwardConfig.block_kv or ForwardConfig.num_stages")
+
+
+# Tuned on an H200 (jax 0.11.2). Keys: (head_dim, is_causal). Filled from the benchmark's
+# sweeps; see the README's performance section for the command and date of each entry.
+TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
+    (64, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    (64, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    (128, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    (128, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    (256, False): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+    (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+}
+
+
+def _heuristic(head_dim: int, itemsize: int) -> ForwardConfig:
+  """The deepest ring of the widest KV block that fits."""
+  for block_kv in (128, 64):
+    for num_stages in (3, 2):
+      cfg = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=num_stages)
+      if cfg.smem_bytes(head_dim, itemsize) <= (
+          hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES):
+        return cfg
+  raise ValueError(f"no forward config fits shared memory at head_dim={head_dim}")
+
+
+def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
+                           config: ForwardConfig | None = None) -> ForwardConfig:
+  """Picks the forward config: explicit, else tuned, else heuristic; checked to fit."""
+  itemsize = np.dtype(dtype).itemsize
+  if config is None:
+    config = TUNED_FORWARD.get((head_dim, bool(is_causal))) or _heuristic(head_dim, itemsize)
+  elif not isinstance(config, ForwardConfig):
+    raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
+  config.check_fits(head_dim, itemsize)
+  return config

@@ -1,0 +1,24 @@
+"""Hopper (sm90) constants, each named once with its reason."""
+
+#: Threads in a warpgroup: four warps, the unit that issues one wgmma.
+WARPGROUP_THREADS = 128
+
+#: Rows of one wgmma instruction (M). A warpgroup's Q tile is a multiple of it.
+WGMMA_ROWS = 64
+
+#: 32-bit registers in one SM's register file; one CTA per SM gets all of them.
+REGISTERS_PER_SM = 64 * 1024
+
+#: Dynamic shared memory one CTA may use on sm90 (227 KiB, the opt-in maximum).
+SMEM_BYTES_PER_CTA = 227 * 1024
+
+#: Shared memory the Mosaic GPU runtime keeps for itself (barriers, cross-warp reduction
+#: scratch); the config's estimate leaves this much free.
+SMEM_RESERVED_BYTES = 8 * 1024
+
+#: Bytes per swizzle row of the 128-byte TMA/wgmma swizzle, the widest one: it makes every
+#: shared-memory row read by wgmma conflict-free.
+SWIZZLE_BYTES = 128
+
+#: Compute capability of the chips the kernels are written for (H100, H200, H800, H20).
+HOPPER_COMPUTE_CAPABILITY = "9.0"

@@ -1,0 +1,67 @@
+"""Online softmax in base 2: a small state with named operations.
+
+The scale is folded into the exponent: with c = scale·log2(e), a logit s contributes
+2^(c·s − m), where m is the running row maximum of c·s. The state lives in registers in the
+row-statistics layout `plgpu.Layout.WGMMA.reduce(1)`, next to logits in `Layout.WGMMA`.
+
+    init()            m = −inf, l = 0
+    update(state, s)  m' = max(m, c·rowmax(s)); α = 2^(m − m'); p = 2^(c·s − m'); l' = α·l + Σp
+    finalize(state, acc)  O = acc / l and LSE = ln(2)·(m + log2 l)
+
+`finalize` is the one place that decides what a fully masked row returns: output 0, LSE −inf.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+
+
+class SoftmaxState(NamedTuple):
+  m: jax.Array  # (rows,) float32: running max of scale·log2(e)·s
+  l: jax.Array  # (rows,) float32: running sum of 2^(scale·log2(e)·s − m)
+
+
+def init(rows: int) -> SoftmaxState:
+  full = lambda v: plgpu.layout_cast(jnp.full((rows,), v, jnp.float32), ROW_LAYOUT)
+  return SoftmaxState(m=full(-jnp.inf), l=full(0.0))
+
+
+def _rows(x, shape):
+  return jax.lax.broadcast_in_dim(x, shape, [0])
+
+
+def update(state: SoftmaxState, s, exp2_scale: float):
+  """One KV block: returns the new state, the unnormalized probabilities p and the factor
+  α by which the output accumulator must be rescaled."""
+  m_new = jnp.maximum(state.m, s.max(axis=1) * exp2_scale)
+  # A row whose logits are all masked so far has m_new = −inf; subtracting 0 instead keeps
+  # p = 2^(−inf) = 0 and α = 0 rather than NaN.
+  m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(state.m - m_sub)
+  p = jnp.exp2(s * exp2_scale - _rows(m_sub, s.shape))
+  l_new = state.l * alpha + p.sum(axis=1)
+  return SoftmaxState(m=m_new, l=l_new), p, alpha
+
+
+def rescale(acc, alpha):
+  """acc·α, row by row."""
+  return acc * _rows(alpha, acc.shape)
+
+
+def finalize(state: SoftmaxState, acc):
+  """The normalized output and the natural-log LSE. Fully masked rows: 0 and −inf."""
+  empty = state.l == 0.0
+  inv_l = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, state.l))
+  out = acc * _rows(inv_l, acc.shape)
+  lse = jnp.where(empty, -jnp.inf, (state.m + jnp.log2(jnp.where(empty, 1.0, state.l))) * LN2)
+  return out, lse
