@@ -83,11 +83,22 @@ def _check_kernel_support(query, unsupported: dict) -> None:
                      f"{config_lib.SUPPORTED_HEAD_DIMS}; got {query.shape[-1]}")
 
 
-def _pad_axis1(x, length: int):
-  """Zero-pads axis 1 up to `length` (only tiny sequences, shorter than one tile)."""
-  if x.shape[1] >= length:
+#: TMA tiles global memory in rows of 8 when a head row is wider than the 128-byte swizzle,
+#: so sequence lengths go to the kernel as multiples of 8.
+SEQ_MULTIPLE = 8
+
+
+def _pad_seq(x, minimum: int):
+  """Zero-pads the sequence axis (1) to a multiple of SEQ_MULTIPLE and at least `minimum`.
+
+  Only awkward lengths (T or S not a multiple of 8, or shorter than one tile) pay this copy;
+  the kernel masks the padded keys and the padded query rows are sliced off.
+  """
+  n = x.shape[1]
+  target = max(minimum, -(-n // SEQ_MULTIPLE) * SEQ_MULTIPLE)
+  if target == n:
     return x
-  return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+  return jnp.pad(x, ((0, 0), (0, target - n), (0, 0), (0, 0)))
 
 
 def _kernel_attention(q, k, v, *, scale, is_causal, config, interpret):
@@ -96,8 +107,8 @@ def _kernel_attention(q, k, v, *, scale, is_causal, config, interpret):
   cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, is_causal, config)
   opts = forward_kernel.ForwardOptions(scale=float(scale), is_causal=bool(is_causal),
                                        config=cfg, interpret=bool(interpret), seq_kv=s)
-  out, lse = autodiff.attention(_pad_axis1(q, cfg.rows_per_cta), _pad_axis1(k, cfg.block_kv),
-                                _pad_axis1(v, cfg.block_kv), opts)
+  out, lse = autodiff.attention(_pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv),
+                                _pad_seq(v, cfg.block_kv), opts)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 

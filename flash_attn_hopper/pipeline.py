@@ -109,3 +109,11 @@ def produce_kv(k_src, v_src, k_smem, v_smem, barriers: Barriers, num_steps, num_
     load(k_src, k_smem, barriers.k_ready, step, slot)
     plgpu.barrier_wait(barriers.v_consumed.at[slot])
     load(v_src, v_smem, barriers.v_ready, step, slot)
+
+  # Drain: wait for the last use of every slot, so that no phase of a consumed barrier goes
+  # unobserved and no read of the ring is in flight when the CTA exits.
+  @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
+  def _drain(step):
+    slot = slot_of(step, num_stages)
+    plgpu.barrier_wait(barriers.k_consumed.at[slot])
+    plgpu.barrier_wait(barriers.v_consumed.at[slot])

@@ -5,7 +5,8 @@ The scale is folded into the exponent: with c = scale·log2(e), a logit s contri
 row-statistics layout `plgpu.Layout.WGMMA.reduce(1)`, next to logits in `Layout.WGMMA`.
 
     init()            m = −inf, l = 0
-    update(state, s)  m' = max(m, c·rowmax(s)); α = 2^(m − m'); p = 2^(c·s − m'); l' = α·l + Σp
+    update(state, s)  m' = max(m, c·rowmax(s)); α = 2^(m − m'); p = 2^(c·s − m'); l' = α·l
+    add_row_sum(state, p)  l' += Σp (separate, so that a kernel can place it around barriers)
     finalize(state, acc)  O = acc / l and LSE = ln(2)·(m + log2 l)
 
 `finalize` is the one place that decides what a fully masked row returns: output 0, LSE −inf.
@@ -42,15 +43,19 @@ def _rows(x, shape):
 
 def update(state: SoftmaxState, s, exp2_scale: float):
   """One KV block: returns the new state, the unnormalized probabilities p and the factor
-  α by which the output accumulator must be rescaled."""
+  α by which the output accumulator must be rescaled. The state's l still lacks Σp: pass it
+  and p to `add_row_sum`."""
   m_new = jnp.maximum(state.m, s.max(axis=1) * exp2_scale)
   # A row whose logits are all masked so far has m_new = −inf; subtracting 0 instead keeps
   # p = 2^(−inf) = 0 and α = 0 rather than NaN.
   m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(state.m - m_sub)
   p = jnp.exp2(s * exp2_scale - _rows(m_sub, s.shape))
-  l_new = state.l * alpha + p.sum(axis=1)
-  return SoftmaxState(m=m_new, l=l_new), p, alpha
+  return SoftmaxState(m=m_new, l=state.l * alpha), p, alpha
+
+
+def add_row_sum(state: SoftmaxState, p) -> SoftmaxState:
+  return state._replace(l=state.l + p.sum(axis=1))
 
 
 def rescale(acc, alpha):

@@ -1,0 +1,128 @@
+"""Autotune the forward kernel's block sizes: `python -m bench.autotune`.
+
+For each (head dim, causal) it times every `ForwardConfig` that fits shared memory on the
+race grid's shapes (B·T = 16k tokens, hidden 2048), checks each candidate's output against
+cuDNN's before its time counts, and prints the winner by geometric mean over T, as a
+`TUNED_FORWARD` entry to paste into flash_attn_hopper/config.py with the provenance printed
+beside it. Full timings go to --out as JSON.
+
+Usage:
+  python -m bench.autotune [--head-dims 64,128,256] [--seq-lens 1024,4096] [--dtype float16]
+                           [--block-kv 64,128,192,256] [--repeats 10] [--out bench/results/autotune.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flash_attn_hopper as fah
+from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import workloads
+from bench import timing
+
+BLOCK_KV = (64, 128, 192, 256)
+NUM_STAGES = (2, 3)
+#: Max abs difference from cuDNN's output a candidate may show (half-precision outputs of O(1)).
+CHECK_ATOL = 2e-2
+
+
+def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV) -> list[fah.ForwardConfig]:
+  itemsize = np.dtype(dtype).itemsize
+  out = []
+  for block_kv, stages in itertools.product(block_kvs, NUM_STAGES):
+    cfg = fah.ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages)
+    try:
+      cfg.check_fits(head_dim, itemsize)
+    except ValueError:
+      continue
+    out.append(cfg)
+  return out
+
+
+def _inputs(w: workloads.Workload):
+  keys = jax.random.split(jax.random.key(0), 3)
+  return tuple(jax.random.normal(kk, s, w.dtype)
+               for kk, s in zip(keys, (w.q_shape, w.kv_shape, w.kv_shape)))
+
+
+def _time_candidate(w, cfg, args, expected, repeats):
+  fn = jax.jit(lambda q, k, v: fah.dot_product_attention(
+      q, k, v, is_causal=w.is_causal, implementation="flash_attn_hopper", config=cfg))
+  try:
+    out = fn(*args)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected)))
+    if not err <= CHECK_ATOL:
+      return None, f"wrong output (max diff {err:.3g} from cuDNN)"
+    ms = timing.median(timing.measure_ms("cupti", fn, args, repeats))
+  except Exception as e:  # A candidate that fails to compile loses; the sweep goes on.
+    return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return w.forward_flops() / (ms * 1e-3) / 1e12, None
+
+
+def tune(head_dim: int, is_causal: bool, seq_lens, dtype, repeats: int, block_kvs) -> dict:
+  grid = [w for w in workloads.hidden_2048_grid(seq_lens=seq_lens, head_dims=(head_dim,),
+                                                causal=(is_causal,), dtypes=(dtype,))]
+  cands = candidates(head_dim, dtype, block_kvs)
+  table = {str(c): {} for c in cands}
+  for w in grid:
+    args = _inputs(w)
+    expected = jax.nn.dot_product_attention(*args, is_causal=is_causal,
+                                            implementation="cudnn").astype(jnp.float32)
+    for c in cands:
+      tflops, error = _time_candidate(w, c, args, expected, repeats)
+      table[str(c)][w.seq_q] = tflops if error is None else error
+      print(f"D{head_dim} causal={is_causal} T={w.seq_q} {c}: "
+            f"{error or f'{tflops:.1f} TFLOP/s'}", flush=True)
+  scores = {}
+  for c in cands:
+    vals = list(table[str(c)].values())
+    if all(isinstance(v, float) for v in vals):
+      scores[c] = math.exp(sum(math.log(v) for v in vals) / len(vals))
+  best = max(scores, key=scores.get) if scores else None
+  return {"head_dim": head_dim, "is_causal": is_causal, "best": str(best),
+          "best_config": best, "geomean_tflops": scores.get(best), "table": table}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--head-dims", default="64,128,256")
+  p.add_argument("--seq-lens", default="1024,4096")
+  p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+  p.add_argument("--dtype", default="float16", choices=config_lib.SUPPORTED_DTYPES)
+  p.add_argument("--block-kv", default=",".join(map(str, BLOCK_KV)))
+  p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--out", default="bench/results/autotune.json")
+  args = p.parse_args(argv)
+  head_dims = [int(x) for x in args.head_dims.split(",")]
+  seq_lens = tuple(int(x) for x in args.seq_lens.split(","))
+  causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  block_kvs = tuple(int(x) for x in args.block_kv.split(","))
+  results = [tune(d, c, seq_lens, args.dtype, args.repeats, block_kvs)
+             for d in head_dims for c in causal]
+  provenance = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                "date": datetime.date.today().isoformat(),
+                "command": "python -m bench.autotune " + " ".join(argv or sys.argv[1:])}
+  print(f"# Tuned on {provenance['device']}, jax {provenance['jax']}, {provenance['date']}: "
+        f"{provenance['command']}")
+  for r in results:
+    cfg = r["best_config"]
+    print(f"    ({r['head_dim']}, {r['is_causal']}): {cfg!r},  "
+          f"# geomean {r['geomean_tflops'] or float('nan'):.1f} TFLOP/s")
+  for r in results:
+    r.pop("best_config")
+  with open(args.out, "w") as f:
+    json.dump({"provenance": provenance, "results": results}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,75 @@
+"""Test helpers: random inputs, the naive baseline and precision-scaled tolerances.
+
+The tolerance rule (FlashAttention's): a kernel's error against the float32 reference may be
+at most about twice that of a naive implementation in the same dtype, plus rounding noise.
+The naive implementation is `jax.nn.dot_product_attention`'s XLA path on the same
+half-precision inputs. This module never imports a kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flash_attn_hopper import reference
+
+#: The kernel may be this many times as far from the reference as the naive implementation.
+ERROR_FACTOR = 2.0
+#: Rounding noise allowed on top, per dtype (about one ulp of an O(1) output).
+NOISE = {jnp.dtype(jnp.float16): 1e-3, jnp.dtype(jnp.bfloat16): 8e-3,
+         jnp.dtype(jnp.float32): 1e-5}
+
+
+def random_qkv(rng: np.random.Generator, workload, dtype=None):
+  """Fresh standard-normal q, k, v for a `Workload` (never zeros)."""
+  dtype = jnp.dtype(dtype or workload.dtype)
+  make = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+  return make(workload.q_shape), make(workload.kv_shape), make(workload.kv_shape)
+
+
+def naive_attention(q, k, v, **kwargs):
+  """The baseline: jax.nn's XLA attention in the inputs' own dtype."""
+  return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+
+
+def max_abs_error(x, ref) -> float:
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  return float(np.max(np.abs(x - np.asarray(ref, np.float64)), initial=0.0))
+
+
+def assert_close_to_reference(actual, ref, naive, *, what="output", factor=ERROR_FACTOR):
+  """Asserts max|actual − ref| ≤ factor·max|naive − ref| + noise, and no NaN anywhere.
+
+  NaN fails: the interpreter fills unwritten output with NaN, so a missed tile fails here.
+  """
+  actual32 = np.asarray(jnp.asarray(actual, jnp.float32))
+  assert actual32.shape == np.shape(ref), f"{what}: shape {actual32.shape} != {np.shape(ref)}"
+  assert np.all(np.isfinite(actual32)), (
+      f"{what}: {np.sum(~np.isfinite(actual32))} non-finite values (an unwritten tile?)")
+  err = max_abs_error(actual32, ref)
+  base = max_abs_error(naive, ref)
+  bound = factor * base + NOISE[jnp.dtype(jnp.asarray(actual).dtype)]
+  assert err <= bound, (f"{what}: max abs error {err:.3g} exceeds {factor}× the naive "
+                        f"implementation's {base:.3g} + noise (bound {bound:.3g})")
+
+
+def check_attention(actual_out, q, k, v, *, actual_lse=None, **kwargs):
+  """Checks an attention output (and optionally its LSE) against the float32 reference."""
+  ref_out, ref_lse = reference.attention_reference(q, k, v, return_residual=True, **kwargs)
+  naive_out, naive_lse = naive_attention(q, k, v, return_residual=True, **kwargs)
+  assert_close_to_reference(actual_out, ref_out, naive_out)
+  if actual_lse is not None:
+    # jax.nn returns its LSE in the input dtype; ours is float32, so allow its rounding only.
+    assert actual_lse.dtype == jnp.float32, f"lse dtype {actual_lse.dtype} != float32"
+    lse_err = max_abs_error(actual_lse, ref_lse)
+    lse_bound = ERROR_FACTOR * max_abs_error(naive_lse, ref_lse) + 1e-3
+    assert lse_err <= lse_bound, f"lse: max abs error {lse_err:.3g} > bound {lse_bound:.3g}"
+
+
+def poison_device_memory(nbytes: int, device=None) -> None:
+  """Best effort on a GPU: fills and frees `nbytes` of device memory with NaN, so that the
+  allocator hands the NaN-filled block to the next output and an unwritten tile reads NaN."""
+  block = jnp.full((max(1, nbytes // 4),), jnp.nan, jnp.float32, device=device)
+  block.block_until_ready()
+  del block

@@ -1,0 +1,81 @@
+"""The forward kernel on an H200 at full size, against the float32 reference.
+
+Chosen by the `gpu` marker; skipped, with what was found, where there is no sm90 GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import flash_attn_hopper as fah
+from flash_attn_hopper import testing
+from flash_attn_hopper import workloads
+
+pytestmark = pytest.mark.gpu
+
+L = workloads.GPU_TEST_LENGTHS
+# (T, S): every length against itself, and unequal pairs around block edges.
+SEQ_PAIRS = [(n, n) for n in L] + [(1, 8192), (8192, 1), (113, 1024), (1023, 4096),
+                                   (4096, 1023), (128, 113)]
+HEAD_DIMS = (64, 128, 256)
+# (query heads, kv heads): MHA; GQA with groups of 4; MQA.
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+DTYPES = ("bfloat16", "float16")
+
+
+def _workload(t, s, heads, d, is_causal, dtype):
+  n, kv = HEADS[heads]
+  return workloads.Workload(f"t{t}_s{s}_{heads}_d{d}", batch=2, seq_q=t, seq_kv=s,
+                            num_q_heads=n, num_kv_heads=kv, head_dim=d,
+                            is_causal=is_causal, dtype=dtype)
+
+
+def _check(rng, w):
+  q, k, v = testing.random_qkv(rng, w)
+  fwd = jax.jit(lambda q, k, v: fah.dot_product_attention(
+      q, k, v, is_causal=w.is_causal, implementation="flash_attn_hopper", return_residual=True))
+  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
+  out, lse = fwd(q, k, v)
+  testing.check_attention(out, q, k, v, actual_lse=lse, is_causal=w.is_causal)
+
+
+# The sequence pairs cross head dims and masks; the dtypes alternate over the pairs so that
+# each dtype meets every length class without doubling the grid.
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("is_causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("t, s, dtype",
+                         [(t, s, DTYPES[i % 2]) for i, (t, s) in enumerate(SEQ_PAIRS)])
+def test_forward_grid(rng, t, s, dtype, is_causal, d):
+  _check(rng, _workload(t, s, "gqa", d, is_causal, dtype))
+
+
+@pytest.mark.parametrize("heads", ("mha", "mqa"))
+@pytest.mark.parametrize("d, dtype", list(itertools.product(HEAD_DIMS, DTYPES)))
+def test_forward_head_layouts(rng, heads, d, dtype):
+  _check(rng, _workload(1024, 1024, heads, d, True, dtype))
+
+
+@pytest.mark.parametrize("w", workloads.MODEL_SHAPES, ids=lambda w: w.name)
+def test_model_shapes(rng, w):
+  _check(rng, w.replace(batch=1))
+
+
+def test_deterministic(rng):
+  w = _workload(4096, 4096, "gqa", 128, True, "bfloat16")
+  q, k, v = testing.random_qkv(rng, w)
+  fwd = jax.jit(lambda q, k, v: fah.dot_product_attention(q, k, v, is_causal=True,
+                                                          implementation="flash_attn_hopper"))
+  first, second = fwd(q, k, v), fwd(q, k, v)
+  assert bool(jnp.all(first == second))
+
+
+def test_default_implementation_is_the_kernel_on_hopper(rng):
+  w = _workload(256, 256, "mha", 64, False, "float16")
+  q, k, v = testing.random_qkv(rng, w)
+  out = fah.dot_product_attention(q, k, v)  # No warning, no fallback.
+  kernel = fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper")
+  assert bool(jnp.all(out == kernel))
