@@ -25,12 +25,9 @@ IMPLEMENTATIONS = (None, KERNEL, "xla", "cudnn")
 KERNEL_DTYPES = tuple(jnp.dtype(d) for d in config_lib.SUPPORTED_DTYPES)
 
 
-@functools.cache
-def on_hopper() -> bool:
-  """Whether the default JAX device is an sm90 (Hopper) GPU."""
-  device = jax.devices()[0]
-  return (device.platform == "gpu"
-          and getattr(device, "compute_capability", None) == hardware.HOPPER_COMPUTE_CAPABILITY)
+#: Persistent CTAs when interpreting: two, so that CI runs CTAs that loop over several tiles.
+INTERPRET_CTAS = 2
+on_hopper = hardware.on_hopper
 
 
 @functools.cache
@@ -106,7 +103,8 @@ def _kernel_attention(q, k, v, *, scale, is_causal, config, interpret):
   t, s = q.shape[1], k.shape[1]
   cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, is_causal, config)
   opts = forward_kernel.ForwardOptions(scale=float(scale), is_causal=bool(is_causal),
-                                       config=cfg, interpret=bool(interpret), seq_kv=s)
+                                       config=cfg, interpret=bool(interpret), seq_kv=s,
+                                       max_ctas=INTERPRET_CTAS if interpret else None)
   out, lse = autodiff.attention(_pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv),
                                 _pad_seq(v, cfg.block_kv), opts)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))

@@ -17,6 +17,7 @@ from flash_attn_hopper import pipeline
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
+SMEM_BUDGET = hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,30 +53,39 @@ class ForwardConfig:
   def rows_per_cta(self) -> int:
     return pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q
 
-  def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """Shared memory the kernel allocates: Q/O tiles, the K/V ring and the LSE tiles."""
+  def smem_bytes(self, head_dim: int, itemsize: int, separate_o: bool = False) -> int:
+    """Shared memory the kernel allocates: Q tiles (and O tiles when `separate_o`), the K/V
+    ring and the LSE tiles."""
     q_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * head_dim * itemsize
     kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     lse_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * 4
-    return q_tiles + kv_ring + lse_tiles
+    return q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles
+
+  def fits(self, head_dim: int, itemsize: int, separate_o: bool = False) -> bool:
+    """Whether the tiles fit the shared-memory budget. The kernel gives O its own tiles
+    (so the next Q loads under the epilogue) only when they fit too."""
+    return self.smem_bytes(head_dim, itemsize, separate_o) <= SMEM_BUDGET
 
   def check_fits(self, head_dim: int, itemsize: int) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
     need = self.smem_bytes(head_dim, itemsize)
-    budget = hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES
+    budget = SMEM_BUDGET
     if need > budget:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
           f"{budget}-byte budget; lower ForwardConfig.block_kv or ForwardConfig.num_stages")
 
 
-# Tuned on an H200 (jax 0.11.2). Keys: (head_dim, is_causal). Filled from the benchmark's
-# sweeps; see the README's performance section for the command and date of each entry.
+# Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by
+#   python -m bench.autotune --head-dims 64,128 --seq-lens 1024,4096 --block-kv 128,192,256
+# (geometric mean over T of the race grid's shapes). D 128 and 256 have no other candidate
+# that fits with two stages: (128, 128, 3) and (256, 128, 2) overflow shared memory.
+# Keys: (head_dim, is_causal).
 TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
-    (64, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    (64, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    (128, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
-    (128, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),
+    (64, False): ForwardConfig(block_q=64, block_kv=256, num_stages=3),   # 403.6 TFLOP/s
+    (64, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),    # 313.8
+    (128, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2),  # 515.9
+    (128, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),   # 436.8
     (256, False): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
     (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
 }
@@ -86,8 +96,7 @@ def _heuristic(head_dim: int, itemsize: int) -> ForwardConfig:
   for block_kv in (128, 64):
     for num_stages in (3, 2):
       cfg = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=num_stages)
-      if cfg.smem_bytes(head_dim, itemsize) <= (
-          hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES):
+      if cfg.fits(head_dim, itemsize):
         return cfg
   raise ValueError(f"no forward config fits shared memory at head_dim={head_dim}")
 

@@ -1,4 +1,8 @@
-"""Hopper (sm90) constants, each named once with its reason."""
+"""Hopper (sm90) constants, each named once with its reason, and what the device reports."""
+
+import functools
+
+import jax
 
 #: Threads in a warpgroup: four warps, the unit that issues one wgmma.
 WARPGROUP_THREADS = 128
@@ -22,3 +26,20 @@ SWIZZLE_BYTES = 128
 
 #: Compute capability of the chips the kernels are written for (H100, H200, H800, H20).
 HOPPER_COMPUTE_CAPABILITY = "9.0"
+
+#: SMs of an H100/H200 SXM, for when the device does not report its count.
+DEFAULT_NUM_SMS = 132
+
+
+@functools.cache
+def num_sms() -> int:
+  """Streaming multiprocessors of the default device: the persistent kernels' CTA count."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_NUM_SMS)
+
+
+@functools.cache
+def on_hopper() -> bool:
+  """Whether the default JAX device is an sm90 (Hopper) GPU."""
+  device = jax.devices()[0]
+  return (device.platform == "gpu"
+          and getattr(device, "compute_capability", None) == HOPPER_COMPUTE_CAPABILITY)

@@ -83,36 +83,33 @@ def slot_of(step, num_stages: int):
   return step % num_stages
 
 
-def produce_kv(k_src, v_src, k_smem, v_smem, barriers: Barriers, num_steps, num_stages: int,
-               block_kv: int):
-  """The producer warpgroup's loop: streams `num_steps` K/V blocks through the ring.
+def produce_kv(k_src, v_src, k_smem, v_smem, barriers: Barriers, first_step, num_steps,
+               num_stages: int, block_kv: int):
+  """The producer's part of one tile: streams `num_steps` K/V blocks through the ring.
 
-  `k_src(rows)` / `v_src(rows)` give the global-memory view of the rows `pl.ds` selects. Rows
-  past the sequence end are zero-filled by TMA.
+  `first_step` counts the blocks streamed before this tile (the ring continues across the
+  tiles of a persistent CTA). `k_src(rows)` / `v_src(rows)` give the global-memory view of the
+  rows `pl.ds` selects; rows past the sequence end are zero-filled by TMA.
   """
-  def load(src, smem, ready, step, slot):
-    # The loop index keeps `step` traced, so the slice past S is TMA's to fill, not a static
-    # indexing error.
-    plgpu.copy_gmem_to_smem(src(pl.ds(step * block_kv, block_kv)), smem.at[slot],
-                            ready.at[slot])
+  @pl.loop(0, num_steps)
+  def _load(step):
+    ring_step = first_step + step
+    slot = slot_of(ring_step, num_stages)
+    # The loop index keeps the row offset traced, so a slice past S is TMA's to fill, not a
+    # static indexing error.
+    rows = pl.ds(step * block_kv, block_kv)
+    refill = ring_step >= num_stages  # The first pass over the ring has nothing to wait for.
+    # K first: the consumers need K before V.
+    pl.when(refill)(lambda: plgpu.barrier_wait(barriers.k_consumed.at[slot]))
+    plgpu.copy_gmem_to_smem(k_src(rows), k_smem.at[slot], barriers.k_ready.at[slot])
+    pl.when(refill)(lambda: plgpu.barrier_wait(barriers.v_consumed.at[slot]))
+    plgpu.copy_gmem_to_smem(v_src(rows), v_smem.at[slot], barriers.v_ready.at[slot])
 
-  @pl.loop(0, jnp.minimum(num_stages, num_steps))
-  def _fill(step):  # Nothing has been consumed yet.
-    load(k_src, k_smem, barriers.k_ready, step, step)
-    load(v_src, v_smem, barriers.v_ready, step, step)
 
-  @pl.loop(num_stages, num_steps)
-  def _refill(step):
-    slot = slot_of(step, num_stages)
-    # K first: the consumer needs K before V.
-    plgpu.barrier_wait(barriers.k_consumed.at[slot])
-    load(k_src, k_smem, barriers.k_ready, step, slot)
-    plgpu.barrier_wait(barriers.v_consumed.at[slot])
-    load(v_src, v_smem, barriers.v_ready, step, slot)
-
-  # Drain: wait for the last use of every slot, so that no phase of a consumed barrier goes
-  # unobserved and no read of the ring is in flight when the CTA exits.
-  @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
+def drain(barriers: Barriers, total_steps, num_stages: int):
+  """Waits for the last use of every slot, so that no phase of a consumed barrier goes
+  unobserved and no read of the ring is in flight when the CTA exits."""
+  @pl.loop(jnp.maximum(total_steps - num_stages, 0), total_steps)
   def _drain(step):
     slot = slot_of(step, num_stages)
     plgpu.barrier_wait(barriers.k_consumed.at[slot])

@@ -76,3 +76,13 @@ def test_causal_warpgroups_with_unequal_block_counts(rng):
   cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=3)
   out = fah.dot_product_attention(q, k, v, is_causal=True, interpret=True, config=cfg)
   testing.check_attention(out, q, k, v, is_causal=True)
+
+
+def test_head_dim_256_sends_o_through_the_q_tiles(rng):
+  # At D 256 the O tiles do not fit beside Q's: O leaves through Q's buffer and the next
+  # tile's Q loads after it. Two CTAs over six tiles run that hand-over several times.
+  w = workloads.Workload("mha_200x150_d256", batch=1, seq_q=200, seq_kv=150, num_q_heads=3,
+                         num_kv_heads=3, head_dim=256)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  out = fah.dot_product_attention(q, k, v, interpret=True)
+  testing.check_attention(out, q, k, v)

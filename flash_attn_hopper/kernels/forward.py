@@ -1,9 +1,12 @@
 """The forward attention kernel: FA3's shape in Pallas Mosaic GPU.
 
-One CTA owns 2·block_q query rows of one (batch, head): two compute warpgroups of block_q rows
-and a TMA producer warpgroup (see `pipeline`). Each compute warpgroup runs:
+A CTA loops over tiles of 2·block_q query rows of one (batch, head), in the order `scheduler`
+gives (persistent, or paired for causal): two compute warpgroups of block_q rows and a TMA
+producer warpgroup (see `pipeline`), whose K/V ring runs on across tiles. For each tile,
+each compute warpgroup runs:
 
-    prologue   load its Q tile once (TMA); m = −inf, l = 0, O = 0
+    prologue   wait for its Q tile (TMA, issued under the previous tile's epilogue);
+               m = −inf, l = 0, O = 0
     kv_loop    for each visited KV block (masking.kv_block_range):
                  S = Q Kᵀ                      wgmma into a fresh accumulator
                  mask S                        boundary blocks only
@@ -34,6 +37,7 @@ from flash_attn_hopper import hardware
 from flash_attn_hopper import layouts
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
+from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
 
 
@@ -47,6 +51,8 @@ class ForwardOptions:
   interpret: bool = False
   #: Keys that count when K/V were padded along S (tiny S); None means all of them.
   seq_kv: int | None = None
+  #: Upper bound on persistent CTAs; None means one per SM.
+  max_ctas: int | None = None
 
 
 class _Dims(NamedTuple):
@@ -66,25 +72,22 @@ class _Refs(NamedTuple):
   v: object
   o: object
   lse: object
-  q_smem: object    # (compute warpgroups, block_q, D): Q in, then O out
+  q_smem: object    # (compute warpgroups, block_q, D): Q in
+  o_smem: object    # (compute warpgroups, block_q, D): O out; q_smem itself when it won't fit
   k_smem: object    # (num_stages, block_kv, D)
   v_smem: object
   lse_smem: object  # (compute warpgroups, block_q) float32
   p_staging: object  # interpreter only: (compute warpgroups, block_q, block_kv), else None
 
 
-class _Tile(NamedTuple):
-  """Where a CTA works: its batch, query head and first query row."""
-  batch: jax.Array
-  head: jax.Array
-  row0: jax.Array
+def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, n_visit, q_smem, p_staging,
+             masked):
+  """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
-
-def _kv_step(step, carry, *, refs, bars, dims, opts, q0, n_visit, q_smem, p_staging, masked):
-  """One KV block for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV."""
+  `ring0` is the ring position of the tile's block 0 (the ring runs on across tiles)."""
   acc, state = carry
   cfg = opts.config
-  slot = pipeline.slot_of(step, cfg.num_stages)
+  slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
 
   def qk(s_ref):
     plgpu.wgmma(s_ref, q_smem, refs.k_smem.at[slot].T)
@@ -118,7 +121,8 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, n_visit, q_smem, p_stag
   def wait_next_k():  # Overlaps the wait for the next K block with PV.
     nxt = step + 1
     pl.when(nxt < n_visit)(
-        lambda: plgpu.barrier_wait(bars.k_ready.at[pipeline.slot_of(nxt, cfg.num_stages)]))
+        lambda: plgpu.barrier_wait(
+            bars.k_ready.at[pipeline.slot_of(ring0 + nxt, cfg.num_stages)]))
 
   acc = accumulate.matmul_accumulate(acc, p16, refs.v_smem.at[slot], staging=p_staging,
                                      while_running=wait_next_k)
@@ -126,9 +130,9 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, n_visit, q_smem, p_stag
   return acc, state
 
 
-def _release_step(step, _, *, bars, opts):
+def _release_step(step, _, *, bars, opts, ring0):
   """A block streamed for the other warpgroup only (causal): free its slot, keep the beat."""
-  slot = pipeline.slot_of(step, opts.config.num_stages)
+  slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])
@@ -138,79 +142,109 @@ def _release_step(step, _, *, bars, opts):
   bars.sync_schedule()
 
 
-def _cta_kv_blocks(tile: _Tile, dims: _Dims, opts: ForwardOptions):
-  """KV blocks the producer streams: those of the CTA's last rows, the most."""
+def _cta_kv_blocks(tile: scheduler.Tile, dims: _Dims, opts: ForwardOptions):
+  """KV blocks the producer streams for a tile: those of its last rows, the most."""
   cfg = opts.config
   return masking.kv_block_range(tile.row0, cfg.rows_per_cta, dims.seq_kv, cfg.block_kv,
                                 opts.is_causal).n_visit
 
 
-def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, tile: _Tile, dims, opts):
-  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers, dims, opts):
+  """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state."""
   cfg = opts.config
   q0 = tile.row0 + wg * cfg.block_q
-  q_smem = refs.q_smem.at[wg]
-  plgpu.copy_gmem_to_smem(refs.q.at[tile.batch, pl.ds(q0, cfg.block_q), tile.head], q_smem,
-                          bars.q_ready.at[wg])
-  plgpu.barrier_wait(bars.q_ready.at[wg])
-
   blocks = masking.kv_block_range(q0, cfg.block_q, dims.seq_kv, cfg.block_kv, opts.is_causal)
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, q0=q0,
-                           n_visit=blocks.n_visit, q_smem=q_smem,
+                           ring0=ring0, n_visit=blocks.n_visit, q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
-
-  plgpu.barrier_wait(bars.k_ready.at[0])  # Every tile visits at least one block.
-  pl.when(wg == 1)(bars.sync_schedule)    # Warpgroup 1 runs one phase behind.
+  # Every tile visits at least one block.
+  plgpu.barrier_wait(bars.k_ready.at[pipeline.slot_of(ring0, cfg.num_stages)])
   carry = lax.fori_loop(0, blocks.n_full, functools.partial(step, masked=False), carry)
   carry = lax.fori_loop(blocks.n_full, blocks.n_visit, functools.partial(step, masked=True),
                         carry)
   lax.fori_loop(blocks.n_visit, _cta_kv_blocks(tile, dims, opts),
-                functools.partial(_release_step, bars=bars, opts=opts), None)
+                functools.partial(_release_step, bars=bars, opts=opts, ring0=ring0), None)
+  return carry
+
+
+def _load_q(wg, tile: scheduler.Tile, refs: _Refs, bars: pipeline.Barriers, block_q: int):
+  rows = pl.ds(tile.row0 + wg * block_q, block_q)
+  plgpu.copy_gmem_to_smem(refs.q.at[tile.batch, rows, tile.head], refs.q_smem.at[wg],
+                          bars.q_ready.at[wg])
+
+
+def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, opts):
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  cfg = opts.config
+  cta = lax.axis_index("cta")
+  num_items = sched.items_of(cta)
+  separate_o = refs.o_smem is not refs.q_smem
+  _load_q(wg, sched.tile(cta, 0), refs, bars, cfg.block_q)
+  pl.when(wg == 1)(bars.sync_schedule)    # Warpgroup 1 runs one phase behind.
+
+  def tile_body(i, ring0):
+    tile = sched.tile(cta, i)
+    load_next_q = functools.partial(
+        pl.when(i + 1 < num_items),
+        lambda: _load_q(wg, sched.tile(cta, i + 1), refs, bars, cfg.block_q))
+    plgpu.barrier_wait(bars.q_ready.at[wg])
+    acc, state = _attend(wg, tile, ring0, refs, bars, dims, opts)
+    if separate_o:  # Q is free now: fetch the next tile's under this epilogue.
+      load_next_q()
+    out, lse = softmax.finalize(state, acc)
+    _store_tile(wg, out, lse, tile, refs, dims)
+    if not separate_o:  # O went out through Q's buffer: wait until TMA has read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      load_next_q()
+    return ring0 + _cta_kv_blocks(tile, dims, opts)
+
+  lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
   pl.when(wg == 0)(bars.sync_schedule)    # Match warpgroup 1's extra phase.
-
-  out, lse = softmax.finalize(carry[1], carry[0])
-  _store_tile(wg, out, lse, q0, refs, tile, dims)
-
-
-def _store_tile(wg, out, lse, q0, refs: _Refs, tile: _Tile, dims: _Dims):
-  """O and the LSE go to shared memory, then to global memory with TMA (rows past T clip)."""
-  q_smem, lse_smem = refs.q_smem.at[wg], refs.lse_smem.at[wg]
-  rows = q_smem.shape[0]
-  q_smem[...] = out.astype(dims.dtype)
-  lse_smem[...] = lse
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem, refs.o.at[tile.batch, pl.ds(q0, rows), tile.head])
-  plgpu.copy_smem_to_gmem(lse_smem, refs.lse.at[tile.batch, tile.head, pl.ds(q0, rows)])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, tile: _Tile, dims, opts):
+def _store_tile(wg, out, lse, tile: scheduler.Tile, refs: _Refs, dims: _Dims):
+  """O and the LSE go to shared memory, then to global memory with TMA (rows past T clip)."""
+  o_smem, lse_smem = refs.o_smem.at[wg], refs.lse_smem.at[wg]
+  rows = o_smem.shape[0]
+  q0 = tile.row0 + wg * rows
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # The previous tile's store has read them.
+  o_smem[...] = out.astype(dims.dtype)
+  lse_smem[...] = lse
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, refs.o.at[tile.batch, pl.ds(q0, rows), tile.head])
+  plgpu.copy_smem_to_gmem(lse_smem, refs.lse.at[tile.batch, tile.head, pl.ds(q0, rows)])
+
+
+def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts):
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
   cfg = opts.config
-  kv_head = tile.head // (dims.num_q_heads // dims.num_kv_heads)  # GQA: no repeated K/V.
-  pipeline.produce_kv(
-      lambda rows: refs.k.at[tile.batch, rows, kv_head],
-      lambda rows: refs.v.at[tile.batch, rows, kv_head],
-      refs.k_smem, refs.v_smem, bars, _cta_kv_blocks(tile, dims, opts), cfg.num_stages,
-      cfg.block_kv)
+  cta = lax.axis_index("cta")
+  group = dims.num_q_heads // dims.num_kv_heads
+
+  def tile_body(i, ring0):
+    tile = sched.tile(cta, i)
+    kv_head = tile.head // group  # GQA: no repeated K/V.
+    num_steps = _cta_kv_blocks(tile, dims, opts)
+    pipeline.produce_kv(
+        lambda rows: refs.k.at[tile.batch, rows, kv_head],
+        lambda rows: refs.v.at[tile.batch, rows, kv_head],
+        refs.k_smem, refs.v_smem, bars, ring0, num_steps, cfg.num_stages, cfg.block_kv)
+    return ring0 + num_steps
+
+  total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
+  pipeline.drain(bars, total, cfg.num_stages)
 
 
-def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, dims: _Dims, opts: ForwardOptions):
-  cfg = opts.config
-  num_tiles = pl.cdiv(dims.seq_q, cfg.rows_per_cta)
-  tile_id = lax.axis_index("q_tile")
-  if opts.is_causal:  # The longest rows first: they finish last otherwise.
-    tile_id = num_tiles - 1 - tile_id
-  tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
-               row0=tile_id * cfg.rows_per_cta)
+def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: _Dims, opts):
   wg = lax.axis_index("wg")
   pl.when(wg < pipeline.NUM_COMPUTE_WARPGROUPS)(
-      lambda: _compute_warpgroup(wg, refs, bars, tile, dims, opts))
+      lambda: _compute_warpgroup(wg, refs, bars, sched, dims, opts))
   pl.when(wg == pipeline.PRODUCER_WARPGROUP)(
-      lambda: _producer_warpgroup(refs, bars, tile, dims, opts))
+      lambda: _producer_warpgroup(refs, bars, sched, dims, opts))
 
 
 def _smem_tile(shape, dtype):
@@ -221,11 +255,14 @@ def _smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
-def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, dims: _Dims, opts: ForwardOptions):
+def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sched, dims: _Dims, opts: ForwardOptions):
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+  itemsize = jnp.dtype(dims.dtype).itemsize
+  separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True)
   scratch = (
       _smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
+      _smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
       _smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
       _smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
@@ -233,12 +270,12 @@ def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, dims: _Dims, opts: ForwardOpt
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
 
-  def scoped(q_smem, k_smem, v_smem, lse_smem, *rest):
+  def scoped(q_smem, o_smem, k_smem, v_smem, lse_smem, *rest):
     p_staging = rest[0] if staging else None
     barriers = pipeline.Barriers(*rest[len(staging):])
-    refs = _Refs(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-                 p_staging)
-    _cta_body(refs, barriers, dims=dims, opts=opts)
+    refs = _Refs(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem,
+                 q_smem if o_smem is None else o_smem, k_smem, v_smem, lse_smem, p_staging)
+    _cta_body(refs, barriers, sched=sched, dims=dims, opts=opts)
 
   pl.run_scoped(scoped, *scratch, *staging, *pipeline.Barriers.types(cfg.num_stages),
                 collective_axes="wg")
@@ -261,13 +298,16 @@ def attention_forward(q, k, v, opts: ForwardOptions):
   dims = _Dims(b, t, seq_kv, n, k.shape[2], d, q.dtype)
   cfg = opts.config
   num_tiles = pl.cdiv(t, cfg.rows_per_cta)
+  sched = scheduler.make(num_tiles, n, b, cfg.rows_per_cta,
+                         max_ctas=opts.max_ctas or hardware.num_sms(),
+                         paired=opts.is_causal)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
   kernel = plgpu.kernel(
-      functools.partial(_entry, dims=dims, opts=opts),
+      functools.partial(_entry, sched=sched, dims=dims, opts=opts),
       out_type=out_types,
-      grid=(num_tiles, n, b),
-      grid_names=("q_tile", "head", "batch"),
+      grid=(sched.num_ctas,),
+      grid_names=("cta",),
       num_threads=pipeline.NUM_WARPGROUPS,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

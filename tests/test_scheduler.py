@@ -1,0 +1,46 @@
+"""The tile schedules cover every (batch, head, Q tile) exactly once."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from flash_attn_hopper import scheduler
+
+
+def _tiles(sched):
+  seen = collections.Counter()
+  work = []
+  for cta in range(sched.num_ctas):
+    blocks = 0
+    for i in range(int(sched.items_of(cta))):
+      t = sched.tile(cta, i)
+      seen[(int(t.batch), int(t.head), int(t.row0))] += 1
+      blocks += int(t.row0) // sched.rows_per_tile + 1  # causal cost of the tile
+    work.append(blocks)
+  return seen, work
+
+
+@pytest.mark.parametrize("num_q_tiles", (1, 2, 7, 8))
+@pytest.mark.parametrize("paired", (False, True))
+def test_every_tile_once(num_q_tiles, paired):
+  sched = scheduler.make(num_q_tiles, num_heads=3, batch=2, rows_per_tile=128, max_ctas=5,
+                         paired=paired)
+  seen, _ = _tiles(sched)
+  expected = {(b, h, q * 128) for b in range(2) for h in range(3) for q in range(num_q_tiles)}
+  assert set(seen) == expected
+  assert all(count == 1 for count in seen.values())
+
+
+def test_paired_schedule_balances_causal_work():
+  sched = scheduler.make(8, num_heads=2, batch=1, rows_per_tile=128, max_ctas=132,
+                         paired=True)
+  _, work = _tiles(sched)
+  assert set(work) == {8 + 1}  # Tile p and its mirror 7 − p: p + 1 + 8 − p blocks.
+
+
+def test_persistent_schedule_caps_ctas():
+  sched = scheduler.make(64, num_heads=16, batch=4, rows_per_tile=128, max_ctas=132,
+                         paired=False)
+  assert sched.num_ctas == 132
