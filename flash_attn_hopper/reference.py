@@ -83,7 +83,9 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
   if visible is not None:
     logits = jnp.where(visible, logits, jnp.asarray(-0.7 * np.finfo(np.float32).max, compute))
   lse = jax.nn.logsumexp(logits, axis=-1)                                   # (B, N, T)
-  probs = jnp.exp(logits - lse[..., None])
+  # Not exp(logits − lse): in a fully masked row lse rounds to the mask value itself, which
+  # would make every probability 1 instead of 1/S.
+  probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bnts,bsnh->btnh", probs, v, precision=jax.lax.Precision.HIGHEST)
   if query_seq_lengths is not None:
     out = out * (jnp.arange(t)[None, :] < query_seq_lengths[:, None])[:, :, None, None]

@@ -11,8 +11,9 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 
-timeout "${FAH_TEST_SECONDS:-280}" python3 -m pytest -q -p no:cacheprovider -m gpu tests \
-  2>&1 | tee "$out/gpu_tests.log" | tail -n 25
+# -v streams one line per test into the log, so a run cut short still says what passed.
+timeout "${FAH_TEST_SECONDS:-280}" python3 -m pytest -v -p no:cacheprovider -m gpu tests \
+  2>&1 | tee "$out/gpu_tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -n 25
 tests=${PIPESTATUS[0]}
 
 python3 -m bench --passes fwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \

@@ -86,3 +86,15 @@ def test_head_dim_256_sends_o_through_the_q_tiles(rng):
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   out = fah.dot_product_attention(q, k, v, interpret=True)
   testing.check_attention(out, q, k, v)
+
+
+def test_jit_of_vmap_over_an_extra_batch_dim(rng):
+  import jax
+  w = workloads.Workload("vmapped", batch=1, seq_q=70, seq_kv=90, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64, is_causal=True)
+  qkv = [testing.random_qkv(rng, w, "bfloat16") for _ in range(3)]
+  q, k, v = (jnp.stack(xs) for xs in zip(*qkv))
+  out = jax.jit(jax.vmap(lambda q, k, v: fah.dot_product_attention(
+      q, k, v, is_causal=True, interpret=True)))(q, k, v)
+  for i in range(3):
+    testing.check_attention(out[i], q[i], k[i], v[i], is_causal=True)

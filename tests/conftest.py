@@ -1,0 +1,60 @@
+"""Shared test helpers: a per-test random generator, the Hopper check and the `gpu` marker's skip.
+
+float64 is not enabled globally; a test that needs it wraps its code in `jax.enable_x64(True)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+import hypothesis
+import numpy as np
+import pytest
+
+# JAX compiles on an example's first shape, so per-example deadlines only make tests flaky.
+# CI derandomizes hypothesis so that a red build reproduces.
+hypothesis.settings.register_profile("dev", deadline=None)
+hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+@functools.cache
+def hopper_status() -> tuple[bool, str]:
+  """(whether the default JAX device is an sm90 GPU, a description of what was found)."""
+  try:
+    import jax
+    devices = jax.devices()
+  except Exception as e:  # A broken or absent GPU backend means "not Hopper", not a crash.
+    return False, f"no usable JAX backend ({type(e).__name__}: {e})"
+  from flash_attn_hopper import hardware
+  device = devices[0]
+  found = f"{len(devices)} x {device.platform} {device.device_kind!r}"
+  capability = getattr(device, "compute_capability", None)  # "9.0" on CUDA devices.
+  if capability is not None:
+    found += f", compute capability {capability}"
+  return hardware.on_hopper(), found
+
+
+def on_hopper() -> bool:
+  """Whether the default JAX device is an sm90 (Hopper) GPU."""
+  return hopper_status()[0]
+
+
+def pytest_collection_modifyitems(config, items):
+  gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+  if not gpu_items:
+    return
+  is_hopper, found = hopper_status()
+  if is_hopper:
+    return
+  skip = pytest.mark.skip(reason=f"needs an sm90 (Hopper) GPU; found: {found}")
+  for item in gpu_items:
+    item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+  """A numpy Generator seeded from the test's node id: the same every run, distinct per test."""
+  digest = hashlib.sha256(request.node.nodeid.encode()).digest()
+  return np.random.default_rng(int.from_bytes(digest[:8], "little"))

@@ -1,0 +1,122 @@
+"""The op's validation, dispatch and error messages (CPU; no kernel is compiled here)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flash_attn_hopper as fah
+from flash_attn_hopper import api
+from flash_attn_hopper import config as config_lib
+
+
+def _qkv(rng, b=1, t=16, s=24, n=4, k=2, d=64, dtype=jnp.bfloat16):
+  make = lambda shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  return make((b, t, n, d)), make((b, s, k, d)), make((b, s, k, d))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, k, v: (q[0, 0], k, v), "query must have rank 4"),
+    (lambda q, k, v: (q, k[0], v[0]), "same rank"),
+    (lambda q, k, v: (q, k, v[:, :-1]), "value must have key's shape"),
+    (lambda q, k, v: (jnp.concatenate([q, q]), k, v), "same batch size"),
+    (lambda q, k, v: (q[..., :32], k, v), "same head dim"),
+    (lambda q, k, v: (q[:, :, :3], k, v), r"query heads \(3\) must be a multiple"),
+])
+def test_bad_shapes_name_the_argument(rng, bad, match):
+  with pytest.raises(ValueError, match=match):
+    fah.dot_product_attention(*bad(*_qkv(rng)), implementation="xla")
+
+
+def test_mixed_dtypes_are_a_type_error(rng):
+  q, k, v = _qkv(rng)
+  with pytest.raises(TypeError, match="one dtype"):
+    fah.dot_product_attention(q, k.astype(jnp.float16), v, implementation="xla")
+
+
+def test_unknown_implementation(rng):
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    fah.dot_product_attention(*_qkv(rng), implementation="triton")
+
+
+@pytest.mark.parametrize("name", ["bias", "mask", "query_seq_lengths",
+                                  "key_value_seq_lengths", "local_window_size"])
+def test_kernel_names_unsupported_arguments(rng, name):
+  q, k, v = _qkv(rng)
+  values = dict(bias=jnp.zeros((1, 4, 16, 24)), mask=jnp.ones((1, 4, 16, 24), bool),
+                query_seq_lengths=jnp.array([3], jnp.int32),
+                key_value_seq_lengths=jnp.array([5], jnp.int32), local_window_size=4)
+  with pytest.raises(NotImplementedError, match=f"`{name}`.*implementation='xla'"):
+    fah.dot_product_attention(q, k, v, **{name: values[name]}, interpret=True)
+
+
+def test_kernel_names_supported_dtypes(rng):
+  q, k, v = _qkv(rng, dtype=jnp.float32)
+  with pytest.raises(TypeError, match="float16, bfloat16; got float32"):
+    fah.dot_product_attention(q, k, v, interpret=True)
+
+
+def test_kernel_names_supported_head_dims(rng):
+  q, k, v = _qkv(rng, d=96)
+  with pytest.raises(ValueError, match=r"head dims \(64, 128, 256\); got 96"):
+    fah.dot_product_attention(q, k, v, interpret=True)
+
+
+@pytest.mark.skipif(api.on_hopper(), reason="checks the off-Hopper behaviour")
+def test_explicit_kernel_off_hopper_says_what_to_do(rng):
+  with pytest.raises(RuntimeError, match="needs an sm90.*interpret=True"):
+    fah.dot_product_attention(*_qkv(rng), implementation="flash_attn_hopper")
+
+
+@pytest.mark.skipif(api.on_hopper(), reason="checks the off-Hopper behaviour")
+def test_default_falls_back_to_xla_with_one_warning(rng):
+  q, k, v = _qkv(rng)
+  api._warn_fallback_once.cache_clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = fah.dot_product_attention(q, k, v, is_causal=True)
+    fah.dot_product_attention(q, k, v, is_causal=True)
+  assert [w.category for w in caught] == [RuntimeWarning]
+  expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+def test_xla_path_passes_every_argument_through(rng):
+  q, k, v = _qkv(rng, dtype=jnp.float32)
+  kwargs = dict(mask=jnp.asarray(rng.random((1, 1, 16, 24)) > 0.3), is_causal=True,
+                key_value_seq_lengths=jnp.array([20], jnp.int32), scale=0.3)
+  out, lse = fah.dot_product_attention(q, k, v, implementation="xla", return_residual=True,
+                                       **kwargs)
+  ref, ref_lse = jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                              return_residual=True, **kwargs)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("block_q", 96, "block_q must be a positive multiple of 64"),
+    ("block_kv", 100, "block_kv must be a positive multiple of 64"),
+    ("num_stages", 1, "num_stages must be at least 2"),
+    ("block_kv", 128.0, "block_kv must be an int"),
+])
+def test_config_errors_name_the_field(field, value, match):
+  with pytest.raises((ValueError, TypeError), match=f"ForwardConfig.{match}"):
+    fah.ForwardConfig(**{field: value})
+
+
+def test_config_that_overflows_shared_memory_is_rejected_before_compiling():
+  cfg = fah.ForwardConfig(block_q=64, block_kv=256, num_stages=3)
+  with pytest.raises(ValueError, match="shared memory at head_dim=256.*lower"):
+    config_lib.resolve_forward_config(256, jnp.bfloat16, False, cfg)
+
+
+@pytest.mark.parametrize("head_dim", config_lib.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("is_causal", (False, True))
+@pytest.mark.parametrize("dtype", config_lib.SUPPORTED_DTYPES)
+def test_every_tuned_config_fits(head_dim, is_causal, dtype):
+  cfg = config_lib.resolve_forward_config(head_dim, dtype, is_causal)
+  assert cfg.fits(head_dim, jnp.dtype(dtype).itemsize)
