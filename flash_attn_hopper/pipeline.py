@@ -8,6 +8,8 @@ A CTA runs three warpgroups (FA3's shape)::
     producer:  wait consumed[slot] ─► TMA K,V ─► arrives ready[slot] (transaction count)
     compute:   wait ready[slot]    ─► wgmma  ─► arrive consumed[slot] (one per compute warpgroup)
 
+The same ring carries other tensors in the backward kernels: a `Stream` is one of them.
+
 The register file is rebalanced with `setmaxnreg`: the producer keeps few registers and the
 compute warpgroups take the rest, which the accumulators need.
 """
@@ -15,6 +17,7 @@ compute warpgroups take the rest, which the accumulators need.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -63,14 +66,15 @@ class Barriers:
   def types(num_stages: int) -> tuple:
     """The scratch types that `pl.run_scoped` allocates, in the order of the fields."""
     per_wg = NUM_COMPUTE_WARPGROUPS
-    return (
-        plgpu.Barrier(num_barriers=per_wg),
-        plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=per_wg, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=per_wg, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=per_wg),
-    )
+    k_ready, k_consumed = stream_barrier_types(num_stages)
+    v_ready, v_consumed = stream_barrier_types(num_stages)
+    return (plgpu.Barrier(num_barriers=per_wg), k_ready, v_ready, k_consumed, v_consumed,
+            plgpu.Barrier(num_arrivals=per_wg))
+
+  def kv_streams(self, k_src, v_src, k_smem, v_smem) -> tuple[Stream, Stream]:
+    """K then V, each `src(step)` a block view, as ring streams."""
+    return (Stream(k_src, k_smem, self.k_ready, self.k_consumed),
+            Stream(v_src, v_smem, self.v_ready, self.v_consumed))
 
   def sync_schedule(self):
     """Both compute warpgroups pass the schedule barrier (see the class docstring)."""
@@ -83,34 +87,50 @@ def slot_of(step, num_stages: int):
   return step % num_stages
 
 
-def produce_kv(k_src, v_src, k_smem, v_smem, barriers: Barriers, first_step, num_steps,
-               num_stages: int, block_kv: int):
-  """The producer's part of one tile: streams `num_steps` K/V blocks through the ring.
+class Stream(NamedTuple):
+  """One tensor that the producer streams through the ring, a block per step.
 
-  `first_step` counts the blocks streamed before this tile (the ring continues across the
-  tiles of a persistent CTA). `k_src(rows)` / `v_src(rows)` give the global-memory view of the
-  rows `pl.ds` selects; rows past the sequence end are zero-filled by TMA.
+  Attributes:
+    src: step -> the global-memory view of that step's block (`step` is traced, so a block
+      past the end of the array is TMA's to zero-fill, not a static indexing error).
+    smem: the ring, (num_stages, *block).
+    ready: one barrier per stage: the block of that slot landed.
+    consumed: one barrier per stage, one arrival per compute warpgroup: the slot may be reused.
+  """
+  src: Callable
+  smem: object
+  ready: object
+  consumed: object
+
+
+def stream_barrier_types(num_stages: int) -> tuple:
+  """The (ready, consumed) barrier types of one stream."""
+  return (plgpu.Barrier(num_barriers=num_stages),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
+
+
+def produce(streams, first_step, num_steps, num_stages: int):
+  """The producer's part of one tile: streams `num_steps` blocks of each stream.
+
+  `first_step` counts the steps streamed before this tile (the ring runs on across the tiles
+  of a persistent CTA). Streams are issued in order at each step: put first what the
+  consumers need first.
   """
   @pl.loop(0, num_steps)
   def _load(step):
     ring_step = first_step + step
     slot = slot_of(ring_step, num_stages)
-    # The loop index keeps the row offset traced, so a slice past S is TMA's to fill, not a
-    # static indexing error.
-    rows = pl.ds(step * block_kv, block_kv)
     refill = ring_step >= num_stages  # The first pass over the ring has nothing to wait for.
-    # K first: the consumers need K before V.
-    pl.when(refill)(lambda: plgpu.barrier_wait(barriers.k_consumed.at[slot]))
-    plgpu.copy_gmem_to_smem(k_src(rows), k_smem.at[slot], barriers.k_ready.at[slot])
-    pl.when(refill)(lambda: plgpu.barrier_wait(barriers.v_consumed.at[slot]))
-    plgpu.copy_gmem_to_smem(v_src(rows), v_smem.at[slot], barriers.v_ready.at[slot])
+    for stream in streams:
+      pl.when(refill)(lambda stream=stream: plgpu.barrier_wait(stream.consumed.at[slot]))
+      plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
 
 
-def drain(barriers: Barriers, total_steps, num_stages: int):
+def drain(streams, total_steps, num_stages: int):
   """Waits for the last use of every slot, so that no phase of a consumed barrier goes
   unobserved and no read of the ring is in flight when the CTA exits."""
   @pl.loop(jnp.maximum(total_steps - num_stages, 0), total_steps)
   def _drain(step):
     slot = slot_of(step, num_stages)
-    plgpu.barrier_wait(barriers.k_consumed.at[slot])
-    plgpu.barrier_wait(barriers.v_consumed.at[slot])
+    for stream in streams:
+      plgpu.barrier_wait(stream.consumed.at[slot])

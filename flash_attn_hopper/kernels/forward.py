@@ -228,15 +228,16 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   def tile_body(i, ring0):
     tile = sched.tile(cta, i)
     kv_head = tile.head // group  # GQA: no repeated K/V.
+    rows = lambda step: pl.ds(step * cfg.block_kv, cfg.block_kv)
+    streams = bars.kv_streams(lambda step: refs.k.at[tile.batch, rows(step), kv_head],
+                              lambda step: refs.v.at[tile.batch, rows(step), kv_head],
+                              refs.k_smem, refs.v_smem)
     num_steps = _cta_kv_blocks(tile, dims, opts)
-    pipeline.produce_kv(
-        lambda rows: refs.k.at[tile.batch, rows, kv_head],
-        lambda rows: refs.v.at[tile.batch, rows, kv_head],
-        refs.k_smem, refs.v_smem, bars, ring0, num_steps, cfg.num_stages, cfg.block_kv)
+    pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
     return ring0 + num_steps
 
   total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
-  pipeline.drain(bars, total, cfg.num_stages)
+  pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem), total, cfg.num_stages)
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: _Dims, opts):
