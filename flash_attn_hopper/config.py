@@ -20,6 +20,22 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 SMEM_BUDGET = hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES
 
 
+def _validate_tiles(cfg) -> None:
+  """Checks block_q, block_kv and num_stages of a config; errors name the field."""
+  name = type(cfg).__name__
+  for field in ("block_q", "block_kv", "num_stages"):
+    value = getattr(cfg, field)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+      raise TypeError(f"{name}.{field} must be an int, got {value!r}")
+  if cfg.block_q <= 0 or cfg.block_q % hardware.WGMMA_ROWS:
+    raise ValueError(f"{name}.block_q must be a positive multiple of {hardware.WGMMA_ROWS}, "
+                     f"got {cfg.block_q}")
+  if cfg.block_kv <= 0 or cfg.block_kv % 64:
+    raise ValueError(f"{name}.block_kv must be a positive multiple of 64, got {cfg.block_kv}")
+  if cfg.num_stages < 2:
+    raise ValueError(f"{name}.num_stages must be at least 2, got {cfg.num_stages}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """Tile shape of the forward kernel.
@@ -36,18 +52,7 @@ class ForwardConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for field in ("block_q", "block_kv", "num_stages"):
-      value = getattr(self, field)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"ForwardConfig.{field} must be an int, got {value!r}")
-    if self.block_q <= 0 or self.block_q % hardware.WGMMA_ROWS:
-      raise ValueError(f"ForwardConfig.block_q must be a positive multiple of "
-                       f"{hardware.WGMMA_ROWS}, got {self.block_q}")
-    if self.block_kv <= 0 or self.block_kv % 64:
-      raise ValueError(f"ForwardConfig.block_kv must be a positive multiple of 64, "
-                       f"got {self.block_kv}")
-    if self.num_stages < 2:
-      raise ValueError(f"ForwardConfig.num_stages must be at least 2, got {self.num_stages}")
+    _validate_tiles(self)
 
   @property
   def rows_per_cta(self) -> int:
@@ -74,6 +79,24 @@ class ForwardConfig:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
           f"{budget}-byte budget; lower ForwardConfig.block_kv or ForwardConfig.num_stages")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+  """Tile shape of the backward kernels (not tuned yet; see the backward issue).
+
+  Attributes:
+    block_q: query rows per compute warpgroup in dQ, and per pipeline step in dK/dV.
+    block_kv: keys per pipeline step in dQ, and per compute warpgroup in dK/dV.
+    num_stages: slots of each streamed tensor's shared-memory ring.
+  """
+
+  block_q: int = 64
+  block_kv: int = 64
+  num_stages: int = 2
+
+  def __post_init__(self):
+    _validate_tiles(self)
 
 
 # Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by

@@ -10,6 +10,9 @@ row-statistics layout `plgpu.Layout.WGMMA.reduce(1)`, next to logits in `Layout.
     finalize(state, acc)  O = acc / l and LSE = ln(2)·(m + log2 l)
 
 `finalize` is the one place that decides what a fully masked row returns: output 0, LSE −inf.
+
+The backward recomputes P from the saved LSE instead of keeping it (`recompute`), and turns dP
+into the logits' gradient (`logits_grad`): dS = P ∘ (dP − δ), δ = rowsum(dO ∘ O).
 """
 
 from __future__ import annotations
@@ -70,3 +73,21 @@ def finalize(state: SoftmaxState, acc):
   out = acc * _rows(inv_l, acc.shape)
   lse = jnp.where(empty, -jnp.inf, (state.m + jnp.log2(jnp.where(empty, 1.0, state.l))) * LN2)
   return out, lse
+
+
+def _along(x, shape, axis: int):
+  """Broadcasts a per-query vector over a logit block whose queries run along `axis`."""
+  return jax.lax.broadcast_in_dim(x, shape, [axis])
+
+
+def recompute(s, lse_log2, exp2_scale: float, query_axis: int = 0):
+  """P = 2^(c·s − LSE·log2(e)) for a logit block, from the forward's LSE (in log2 units).
+
+  `query_axis` is 0 for an (queries, keys) block and 1 for the transposed (keys, queries) one.
+  """
+  return jnp.exp2(s * exp2_scale - _along(lse_log2, s.shape, query_axis))
+
+
+def logits_grad(p, dp, delta, query_axis: int = 0):
+  """dS = P ∘ (dP − δ): the gradient of the (scaled) logits, before the scale."""
+  return p * (dp - _along(delta, p.shape, query_axis))

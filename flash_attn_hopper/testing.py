@@ -67,6 +67,19 @@ def check_attention(actual_out, q, k, v, *, actual_lse=None, **kwargs):
     assert lse_err <= lse_bound, f"lse: max abs error {lse_err:.3g} > bound {lse_bound:.3g}"
 
 
+def check_gradients(actual, q, k, v, dout, **kwargs):
+  """Checks (dq, dk, dv) against the float32 reference's gradients for the cotangent `dout`,
+  with the same rule as the output: at most ERROR_FACTOR × the naive implementation's error."""
+  f32 = lambda *xs: tuple(jnp.asarray(x, jnp.float32) for x in xs)
+  _, ref_vjp = jax.vjp(lambda q, k, v: reference.attention_reference(q, k, v, **kwargs),
+                       *f32(q, k, v))
+  _, naive_vjp = jax.vjp(lambda q, k, v: naive_attention(q, k, v, **kwargs), q, k, v)
+  refs = ref_vjp(*f32(dout))
+  naives = naive_vjp(dout)
+  for name, a, r, n in zip(("dq", "dk", "dv"), actual, refs, naives):
+    assert_close_to_reference(a, r, n, what=name)
+
+
 def poison_device_memory(nbytes: int, device=None) -> None:
   """Best effort on a GPU: fills and frees `nbytes` of device memory with NaN, so that the
   allocator hands the NaN-filled block to the next output and an unwritten tile reads NaN."""

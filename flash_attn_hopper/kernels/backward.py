@@ -1,0 +1,33 @@
+"""The backward pass: a preprocess for δ, then the dQ and the dK/dV kernels."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flash_attn_hopper import softmax
+from flash_attn_hopper.kernels import common
+from flash_attn_hopper.kernels import dkv as dkv_kernel
+from flash_attn_hopper.kernels import dq as dq_kernel
+
+
+def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions):
+  """Gradients of attention with respect to q, k and v.
+
+  Args:
+    q, k, v, out: the forward kernel's inputs and output (padded as the api padded them).
+    lse: the forward kernel's LSE, (B, N, T_tiles) float32, natural log.
+    dout: the output's cotangent, shaped like `out`.
+    opts: static options.
+
+  Returns:
+    (dq, dk, dv), shaped and typed like (q, k, v). dK and dV are summed over each GQA group
+    inside the kernel, in a fixed order: two runs give bitwise-equal results.
+  """
+  t, t_tiles = q.shape[1], lse.shape[-1]
+  # δ = rowsum(dO ∘ O), float32, padded with zeros so padded rows contribute nothing.
+  delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+  delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_tiles - t)))
+  lse_log2 = lse * softmax.LOG2E
+  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts)
+  dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts)
+  return dq, dk, dv

@@ -1,0 +1,86 @@
+"""Pieces the attention kernels share: problem sizes, static options, shared-memory tiles,
+one-shot matmuls and the producer warpgroup's whole life."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import hardware
+from flash_attn_hopper import pipeline
+
+
+class Dims(NamedTuple):
+  """Problem sizes as the kernel sees them (arrays may be padded past seq_q / seq_kv)."""
+  batch: int
+  seq_q: int
+  seq_kv: int
+  num_q_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: jnp.dtype
+
+  @property
+  def group(self) -> int:
+    """Query heads per KV head (GQA)."""
+    return self.num_q_heads // self.num_kv_heads
+
+  @classmethod
+  def of(cls, q, k, opts) -> "Dims":
+    b, t, n, d = q.shape
+    seq_kv = k.shape[1] if opts.seq_kv is None else opts.seq_kv
+    return cls(b, t, seq_kv, n, k.shape[2], d, q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardOptions:
+  """Static options of one backward call (hashable)."""
+
+  scale: float
+  is_causal: bool
+  config: config_lib.BackwardConfig
+  interpret: bool = False
+  #: Keys that count when K/V were padded along S; None means all of them.
+  seq_kv: int | None = None
+
+
+def smem_tile(shape, dtype):
+  """A shared-memory tile in the 128-byte swizzle that TMA writes and wgmma reads."""
+  itemsize = jnp.dtype(dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, hardware.SWIZZLE_BYTES // itemsize)),
+                plgpu.SwizzleTransform(hardware.SWIZZLE_BYTES))
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def zeros_accumulator(shape):
+  """A float32 zero array in the wgmma accumulator layout."""
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def matmul(a_smem, b_smem, shape):
+  """a @ b of two shared-memory operands into a fresh float32 accumulator, as an array."""
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    return acc_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def causal_mask(s, key0, query0, *, key_axis: int):
+  """Top-left causal mask on a logit block: keys past the query are set to −inf."""
+  shape = s.shape
+  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  keys = key0 + iota(key_axis)
+  queries = query0 + iota(1 - key_axis)
+  return jnp.where(keys <= queries, s, -jnp.inf)
+
+
+def producer(streams, num_steps, num_stages: int):
+  """A producer warpgroup that streams one tile's blocks and exits."""
+  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
+  pipeline.produce(streams, 0, num_steps, num_stages)
+  pipeline.drain(streams, num_steps, num_stages)

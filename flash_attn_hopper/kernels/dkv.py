@@ -1,0 +1,212 @@
+"""The dK/dV kernel: for a tile of keys, stream every query block that sees them.
+
+A CTA owns 2·block_kv keys of one (batch, KV head): each compute warpgroup keeps block_kv keys
+of K and V in shared memory and their dK and dV accumulators in registers, while the producer
+streams Q, dO, the LSE and δ of every query block of every query head in the KV head's group
+(GQA sums over the group here, in a fixed order, so the result is deterministic):
+
+    per step (query head h, query block j):
+      Sᵀ = K Qᵀ                 logits, keys × queries
+      Pᵀ = 2^(c·Sᵀ − LSE)       recomputed from the forward's LSE
+      dV += Pᵀ dO
+      dPᵀ = V dOᵀ
+      dSᵀ = Pᵀ ∘ (dPᵀ − δ)
+      dK += dSᵀ Q               scaled once at the end
+
+Keys past S and queries past T need no mask: TMA zero-fills their K/V (Q/dO) rows, δ is padded
+with zeros, so they add nothing, and the rows past S are clipped on store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flash_attn_hopper import accumulate
+from flash_attn_hopper import layouts
+from flash_attn_hopper import pipeline
+from flash_attn_hopper import softmax
+from flash_attn_hopper.kernels import common
+
+#: The per-query vectors of a (keys, queries) block vary along its columns.
+_COLUMNS = plgpu.Layout.WGMMA.reduce(0)
+
+
+class _Refs(NamedTuple):
+  q: object
+  k: object
+  v: object
+  do: object
+  lse: object       # (B, N, T_pad) float32, log2 units
+  delta: object     # (B, N, T_pad) float32
+  dk: object
+  dv: object
+  k_smem: object    # (compute warpgroups, block_kv, D): K, then dK out
+  v_smem: object    # (compute warpgroups, block_kv, D): V, then dV out
+  q_ring: object    # (num_stages, block_q, D)
+  do_ring: object
+  lse_ring: object  # (num_stages, block_q)
+  delta_ring: object
+  staging: object   # interpreter only: (compute warpgroups, block_kv, block_q), else None
+
+
+class _Tile(NamedTuple):
+  batch: jax.Array
+  kv_head: jax.Array
+  key0: jax.Array     # the CTA's first key
+  q_block0: jax.Array  # the first query block that sees any of its keys
+  steps_per_head: jax.Array
+
+
+def _tile(dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
+  cfg = opts.config
+  key0 = lax.axis_index("kv_tile") * (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv)
+  num_q_blocks = pl.cdiv(dims.seq_q, cfg.block_q)
+  # Top-left causal: query i sees key j when j <= i, so queries before key0 see none.
+  q_block0 = key0 // cfg.block_q if opts.is_causal else jnp.int32(0)
+  return _Tile(batch=lax.axis_index("batch"), kv_head=lax.axis_index("kv_head"), key0=key0,
+               q_block0=jnp.minimum(q_block0, num_q_blocks),
+               steps_per_head=num_q_blocks - jnp.minimum(q_block0, num_q_blocks))
+
+
+def _step_rows(step, tile: _Tile, dims, cfg):
+  """The query head and query rows of ring step `step`."""
+  g, j = step // tile.steps_per_head, step % tile.steps_per_head
+  head = tile.kv_head * dims.group + g
+  return head, (tile.q_block0 + j) * cfg.block_q
+
+
+def _q_step(step, carry, *, wg, tile, refs: _Refs, streams, dims, opts):
+  """One query block against this warpgroup's keys."""
+  dk, dv = carry
+  cfg = opts.config
+  slot = pipeline.slot_of(step, cfg.num_stages)
+  q_s, do_s, lse_s, delta_s = streams
+  for stream in streams:
+    plgpu.barrier_wait(stream.ready.at[slot])
+  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
+  staging = None if refs.staging is None else refs.staging.at[wg]
+
+  st = common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
+  if opts.is_causal:
+    _, q0 = _step_rows(step, tile, dims, cfg)
+    key0 = tile.key0 + wg * cfg.block_kv
+    st = common.causal_mask(st, key0, q0, key_axis=0)
+  lse = plgpu.load(refs.lse_ring.at[slot], layout=_COLUMNS)
+  delta = plgpu.load(refs.delta_ring.at[slot], layout=_COLUMNS)
+  plgpu.barrier_arrive(lse_s.consumed.at[slot])
+  plgpu.barrier_arrive(delta_s.consumed.at[slot])
+
+  pt = softmax.recompute(st, lse, opts.scale * softmax.LOG2E, query_axis=1)
+  dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), refs.do_ring.at[slot],
+                                    staging=staging)
+  dpt = common.matmul(v_smem, refs.do_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
+  plgpu.barrier_arrive(do_s.consumed.at[slot])
+  dst = softmax.logits_grad(pt, dpt, delta, query_axis=1)
+  dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
+                                    staging=staging)
+  plgpu.barrier_arrive(q_s.consumed.at[slot])
+  return dk, dv
+
+
+def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, opts):
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  cfg = opts.config
+  rows = pl.ds(tile.key0 + wg * cfg.block_kv, cfg.block_kv)
+  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
+  plgpu.copy_gmem_to_smem(refs.k.at[tile.batch, rows, tile.kv_head], k_smem,
+                          tile_ready.at[2 * wg])
+  plgpu.copy_gmem_to_smem(refs.v.at[tile.batch, rows, tile.kv_head], v_smem,
+                          tile_ready.at[2 * wg + 1])
+  plgpu.barrier_wait(tile_ready.at[2 * wg])
+  plgpu.barrier_wait(tile_ready.at[2 * wg + 1])
+
+  zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
+  step = functools.partial(_q_step, wg=wg, tile=tile, refs=refs, streams=streams, dims=dims,
+                           opts=opts)
+  dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
+
+  k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
+  v_smem[...] = dv.astype(dims.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(k_smem, refs.dk.at[tile.batch, rows, tile.kv_head])
+  plgpu.copy_smem_to_gmem(v_smem, refs.dv.at[tile.batch, rows, tile.kv_head])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _streams(tile: _Tile, refs: _Refs, barriers, dims, cfg) -> tuple:
+  def rows(step):
+    head, q0 = _step_rows(step, tile, dims, cfg)
+    return head, pl.ds(q0, cfg.block_q)
+
+  def block(ref):
+    return lambda step: ref.at[tile.batch, rows(step)[1], rows(step)[0]]
+
+  def vector(ref):
+    return lambda step: ref.at[tile.batch, rows(step)[0], rows(step)[1]]
+
+  srcs = (block(refs.q), block(refs.do), vector(refs.lse), vector(refs.delta))
+  rings = (refs.q_ring, refs.do_ring, refs.lse_ring, refs.delta_ring)
+  return tuple(pipeline.Stream(src, ring, ready, consumed)
+               for src, ring, (ready, consumed) in zip(srcs, rings, barriers))
+
+
+def _entry(q, k, v, do, lse, delta, dk, dv, *, dims: common.Dims, opts):
+  cfg = opts.config
+  wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+  stages = cfg.num_stages
+  scratch = (
+      common.smem_tile((wgs, cfg.block_kv, dims.head_dim), dims.dtype),
+      common.smem_tile((wgs, cfg.block_kv, dims.head_dim), dims.dtype),
+      common.smem_tile((stages, cfg.block_q, dims.head_dim), dims.dtype),
+      common.smem_tile((stages, cfg.block_q, dims.head_dim), dims.dtype),
+      plgpu.SMEM((stages, cfg.block_q), jnp.float32),
+      plgpu.SMEM((stages, cfg.block_q), jnp.float32),
+  )
+  staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,
+                                     interpret=opts.interpret)
+  barriers = (plgpu.Barrier(num_barriers=2 * wgs),
+              *(b for _ in range(4) for b in pipeline.stream_barrier_types(stages)))
+
+  def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *rest):
+    refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
+                 delta_ring, rest[0] if staging else None)
+    tile_ready, *ring_barriers = rest[len(staging):]
+    tile = _tile(dims, opts)
+    streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
+                       cfg)
+    num_steps = dims.group * tile.steps_per_head
+    wg = lax.axis_index("wg")
+    pl.when(wg < wgs)(
+        lambda: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts))
+    pl.when(wg == pipeline.PRODUCER_WARPGROUP)(
+        lambda: common.producer(streams, num_steps, stages))
+
+  pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
+
+
+def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
+  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
+  dims = common.Dims.of(q, k, opts)
+  cfg = opts.config
+  num_kv_tiles = pl.cdiv(k.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv)
+  kernel = plgpu.kernel(
+      functools.partial(_entry, dims=dims, opts=opts),
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
+      grid_names=("kv_tile", "kv_head", "batch"),
+      num_threads=pipeline.NUM_WARPGROUPS,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="flash_attn_hopper_dkv",
+  )
+  interpret = plgpu.force_gpu_interpret_mode() if opts.interpret else contextlib.nullcontext()
+  with interpret, layouts.explain_accumulator_errors():
+    return kernel(q, k, v, do, lse_log2, delta)

@@ -1,0 +1,186 @@
+"""The dQ kernel: for a tile of queries, stream the K/V blocks it saw in the forward.
+
+A CTA owns 2·block_q query rows of one (batch, query head), like the forward: each compute
+warpgroup loads its Q, dO, LSE and δ once, and the producer streams K and V through the same
+ring as the forward's, over the same KV block range (`masking.kv_block_range`):
+
+    per KV block:
+      S = Q Kᵀ                  element mask on boundary blocks only
+      P = 2^(c·S − LSE)         recomputed from the forward's LSE
+      dP = dO Vᵀ
+      dS = P ∘ (dP − δ)
+      dQ += dS K                scaled once at the end
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flash_attn_hopper import accumulate
+from flash_attn_hopper import layouts
+from flash_attn_hopper import masking
+from flash_attn_hopper import pipeline
+from flash_attn_hopper import softmax
+from flash_attn_hopper.kernels import common
+
+_ROWS = plgpu.Layout.WGMMA.reduce(1)
+
+
+class _Refs(NamedTuple):
+  q: object
+  k: object
+  v: object
+  do: object
+  lse: object        # (B, N, T_pad) float32, log2 units
+  delta: object      # (B, N, T_pad) float32
+  dq: object
+  q_smem: object     # (compute warpgroups, block_q, D): Q, then dQ out
+  do_smem: object
+  lse_smem: object   # (compute warpgroups, block_q)
+  delta_smem: object
+  k_ring: object     # (num_stages, block_kv, D)
+  v_ring: object
+  staging: object    # interpreter only: (compute warpgroups, block_q, block_kv), else None
+
+
+class _Tile(NamedTuple):
+  batch: jax.Array
+  head: jax.Array
+  row0: jax.Array
+
+
+def _kv_step(step, carry, *, q0, lse, delta, k_s, v_s, refs: _Refs, staging, q_smem, do_smem,
+             dims, opts, masked):
+  """KV block `step` against this warpgroup's queries."""
+  cfg = opts.config
+  slot = pipeline.slot_of(step, cfg.num_stages)
+  plgpu.barrier_wait(k_s.ready.at[slot])
+  s = common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
+  if masked:
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.is_causal)
+  p = softmax.recompute(s, lse, opts.scale * softmax.LOG2E)
+  plgpu.barrier_wait(v_s.ready.at[slot])
+  dp = common.matmul(do_smem, refs.v_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
+  plgpu.barrier_arrive(v_s.consumed.at[slot])
+  ds = softmax.logits_grad(p, dp, delta)
+  carry = accumulate.matmul_accumulate(carry, ds.astype(dims.dtype), refs.k_ring.at[slot],
+                                       staging=staging)
+  plgpu.barrier_arrive(k_s.consumed.at[slot])
+  return carry
+
+
+def _release_step(step, _, *, k_s, v_s, num_stages):
+  """A block streamed for the other warpgroup only (causal): observe it and free its slot."""
+  slot = pipeline.slot_of(step, num_stages)
+  for stream in (k_s, v_s):
+    plgpu.barrier_wait(stream.ready.at[slot])
+    plgpu.barrier_arrive(stream.consumed.at[slot])
+
+
+def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, block_q: int):
+  """Q, dO, the LSE and δ of this warpgroup's rows, each on its own barrier."""
+  q0 = tile.row0 + wg * block_q
+  rows = pl.ds(q0, block_q)
+  copies = ((refs.q.at[tile.batch, rows, tile.head], refs.q_smem),
+            (refs.do.at[tile.batch, rows, tile.head], refs.do_smem),
+            (refs.lse.at[tile.batch, tile.head, rows], refs.lse_smem),
+            (refs.delta.at[tile.batch, tile.head, rows], refs.delta_smem))
+  for i, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst.at[wg], tile_ready.at[4 * wg + i])
+  for i in range(len(copies)):
+    plgpu.barrier_wait(tile_ready.at[4 * wg + i])
+  return q0
+
+
+def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta_blocks, dims,
+                       opts):
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  cfg = opts.config
+  q0 = _load_tile(wg, tile, refs, tile_ready, cfg.block_q)
+  k_s, v_s = streams
+  step = functools.partial(
+      _kv_step, q0=q0, lse=plgpu.load(refs.lse_smem.at[wg], layout=_ROWS),
+      delta=plgpu.load(refs.delta_smem.at[wg], layout=_ROWS), k_s=k_s, v_s=v_s, refs=refs,
+      staging=None if refs.staging is None else refs.staging.at[wg],
+      q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
+  blocks = masking.kv_block_range(q0, cfg.block_q, dims.seq_kv, cfg.block_kv, opts.is_causal)
+  dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
+  dq = lax.fori_loop(0, blocks.n_full, functools.partial(step, masked=False), dq)
+  dq = lax.fori_loop(blocks.n_full, blocks.n_visit, functools.partial(step, masked=True), dq)
+  lax.fori_loop(blocks.n_visit, cta_blocks, functools.partial(
+      _release_step, k_s=k_s, v_s=v_s, num_stages=cfg.num_stages), None)
+
+  q_smem = refs.q_smem.at[wg]  # Q is no longer read: dQ leaves through it.
+  q_smem[...] = (dq * opts.scale).astype(dims.dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(q_smem, refs.dq.at[tile.batch, pl.ds(q0, cfg.block_q), tile.head])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _entry(q, k, v, do, lse, delta, dq, *, dims: common.Dims, opts):
+  cfg = opts.config
+  wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+  stages = cfg.num_stages
+  scratch = (
+      common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
+      common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
+      plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
+      plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
+      common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
+      common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
+  )
+  staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
+                                     interpret=opts.interpret)
+  barriers = (plgpu.Barrier(num_barriers=4 * wgs), *pipeline.stream_barrier_types(stages),
+              *pipeline.stream_barrier_types(stages))
+
+  def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *rest):
+    refs = _Refs(q, k, v, do, lse, delta, dq, q_smem, do_smem, lse_smem, delta_smem, k_ring,
+                 v_ring, rest[0] if staging else None)
+    tile_ready, k_ready, k_consumed, v_ready, v_consumed = rest[len(staging):]
+    tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
+                 row0=lax.axis_index("q_tile") * wgs * cfg.block_q)
+    kv_head = tile.head // dims.group
+    rows = lambda step: pl.ds(step * cfg.block_kv, cfg.block_kv)
+    streams = (
+        pipeline.Stream(lambda step: k.at[tile.batch, rows(step), kv_head], k_ring, k_ready,
+                        k_consumed),
+        pipeline.Stream(lambda step: v.at[tile.batch, rows(step), kv_head], v_ring, v_ready,
+                        v_consumed))
+    cta_blocks = masking.kv_block_range(tile.row0, wgs * cfg.block_q, dims.seq_kv,
+                                        cfg.block_kv, opts.is_causal).n_visit
+    wg = lax.axis_index("wg")
+    pl.when(wg < wgs)(lambda: _compute_warpgroup(wg, tile, refs, streams, tile_ready,
+                                                 cta_blocks, dims, opts))
+    pl.when(wg == pipeline.PRODUCER_WARPGROUP)(
+        lambda: common.producer(streams, cta_blocks, stages))
+
+  pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
+
+
+def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
+  """dQ (B, T, N, D) in Q's dtype, from canonical padded inputs (see `backward`)."""
+  dims = common.Dims.of(q, k, opts)
+  cfg = opts.config
+  num_q_tiles = pl.cdiv(q.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q)
+  kernel = plgpu.kernel(
+      functools.partial(_entry, dims=dims, opts=opts),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(num_q_tiles, dims.num_q_heads, dims.batch),
+      grid_names=("q_tile", "head", "batch"),
+      num_threads=pipeline.NUM_WARPGROUPS,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      kernel_name="flash_attn_hopper_dq",
+  )
+  interpret = plgpu.force_gpu_interpret_mode() if opts.interpret else contextlib.nullcontext()
+  with interpret, layouts.explain_accumulator_errors():
+    return kernel(q, k, v, do, lse_log2, delta)
