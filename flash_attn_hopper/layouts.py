@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
-from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers jax.experimental.mosaic.gpu)
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 

@@ -45,15 +45,23 @@ def kv_block_range(q0, rows: int, seq_kv: int, block_kv: int, is_causal: bool) -
   return KvBlockRange(n_full, n_visit)
 
 
-def apply_element_mask(s, q0, k0, seq_kv: int, is_causal: bool):
+def apply_element_mask(s, q0, k0, seq_kv: int | None, is_causal: bool, *, key_axis: int = 1):
   """Sets the logits of invisible (query, key) pairs of one block to −inf.
 
-  `s` is the (rows, block_kv) logit block of queries q0.. and keys k0.., in `Layout.WGMMA`.
+  `s` is a logit block in `Layout.WGMMA` of queries q0.. and keys k0..: (queries, keys) with
+  `key_axis=1`, or the transposed (keys, queries) block of the dK/dV kernel with `key_axis=0`.
+  Keys at or past `seq_kv` are invisible (None: no such keys); with `is_causal`, so are keys
+  past the query.
   """
   shape = s.shape
-  k_ids = k0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-  visible = k_ids < seq_kv
+  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+  k_ids = k0 + iota(key_axis)
+  conditions = []
+  if seq_kv is not None:
+    conditions.append(k_ids < seq_kv)
   if is_causal:
-    q_ids = q0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-    visible = jnp.logical_and(visible, k_ids <= q_ids)
+    conditions.append(k_ids <= q0 + iota(1 - key_axis))
+  if not conditions:
+    return s
+  visible = conditions[0] if len(conditions) == 1 else jnp.logical_and(*conditions)
   return jnp.where(visible, s, -jnp.inf)

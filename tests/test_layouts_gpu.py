@@ -8,7 +8,6 @@ kernel is rejected.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.experimental.pallas as pl

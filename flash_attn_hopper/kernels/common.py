@@ -70,15 +70,6 @@ def matmul(a_smem, b_smem, shape):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def causal_mask(s, key0, query0, *, key_axis: int):
-  """Top-left causal mask on a logit block: keys past the query are set to −inf."""
-  shape = s.shape
-  iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
-  keys = key0 + iota(key_axis)
-  queries = query0 + iota(1 - key_axis)
-  return jnp.where(keys <= queries, s, -jnp.inf)
-
-
 def producer(streams, num_steps, num_stages: int):
   """A producer warpgroup that streams one tile's blocks and exits."""
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")

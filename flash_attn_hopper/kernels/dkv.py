@@ -31,6 +31,7 @@ from jax import lax
 
 from flash_attn_hopper import accumulate
 from flash_attn_hopper import layouts
+from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
@@ -98,7 +99,7 @@ def _q_step(step, carry, *, wg, tile, refs: _Refs, streams, dims, opts):
   if opts.is_causal:
     _, q0 = _step_rows(step, tile, dims, cfg)
     key0 = tile.key0 + wg * cfg.block_kv
-    st = common.causal_mask(st, key0, q0, key_axis=0)
+    st = masking.apply_element_mask(st, q0, key0, None, True, key_axis=0)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=_COLUMNS)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=_COLUMNS)
   plgpu.barrier_arrive(lse_s.consumed.at[slot])

@@ -39,6 +39,7 @@ from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
+from flash_attn_hopper.kernels import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,16 +54,6 @@ class ForwardOptions:
   seq_kv: int | None = None
   #: Upper bound on persistent CTAs; None means one per SM.
   max_ctas: int | None = None
-
-
-class _Dims(NamedTuple):
-  batch: int
-  seq_q: int
-  seq_kv: int
-  num_q_heads: int
-  num_kv_heads: int
-  head_dim: int
-  dtype: jnp.dtype
 
 
 class _Refs(NamedTuple):
@@ -142,7 +133,7 @@ def _release_step(step, _, *, bars, opts, ring0):
   bars.sync_schedule()
 
 
-def _cta_kv_blocks(tile: scheduler.Tile, dims: _Dims, opts: ForwardOptions):
+def _cta_kv_blocks(tile: scheduler.Tile, dims: common.Dims, opts: ForwardOptions):
   """KV blocks the producer streams for a tile: those of its last rows, the most."""
   cfg = opts.config
   return masking.kv_block_range(tile.row0, cfg.rows_per_cta, dims.seq_kv, cfg.block_kv,
@@ -206,7 +197,7 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
   plgpu.wait_smem_to_gmem(0)
 
 
-def _store_tile(wg, out, lse, tile: scheduler.Tile, refs: _Refs, dims: _Dims):
+def _store_tile(wg, out, lse, tile: scheduler.Tile, refs: _Refs, dims: common.Dims):
   """O and the LSE go to shared memory, then to global memory with TMA (rows past T clip)."""
   o_smem, lse_smem = refs.o_smem.at[wg], refs.lse_smem.at[wg]
   rows = o_smem.shape[0]
@@ -223,7 +214,7 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
   cfg = opts.config
   cta = lax.axis_index("cta")
-  group = dims.num_q_heads // dims.num_kv_heads
+  group = dims.group
 
   def tile_body(i, ring0):
     tile = sched.tile(cta, i)
@@ -240,7 +231,7 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem), total, cfg.num_stages)
 
 
-def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: _Dims, opts):
+def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
   wg = lax.axis_index("wg")
   pl.when(wg < pipeline.NUM_COMPUTE_WARPGROUPS)(
       lambda: _compute_warpgroup(wg, refs, bars, sched, dims, opts))
@@ -248,24 +239,16 @@ def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: _Dims, opts)
       lambda: _producer_warpgroup(refs, bars, sched, dims, opts))
 
 
-def _smem_tile(shape, dtype):
-  """A shared-memory tile in the 128-byte swizzle that TMA writes and wgmma reads."""
-  itemsize = jnp.dtype(dtype).itemsize
-  transforms = (plgpu.TilingTransform((8, hardware.SWIZZLE_BYTES // itemsize)),
-                plgpu.SwizzleTransform(hardware.SWIZZLE_BYTES))
-  return plgpu.SMEM(shape, dtype, transforms=transforms)
-
-
-def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sched, dims: _Dims, opts: ForwardOptions):
+def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sched, dims: common.Dims, opts: ForwardOptions):
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
   separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True)
   scratch = (
-      _smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
-      _smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
-      _smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
-      _smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
+      common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
+      common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
+      common.smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
+      common.smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
@@ -294,9 +277,8 @@ def attention_forward(q, k, v, opts: ForwardOptions):
     out (B, T, N, D) in q's dtype, and the LSE (B, N, T_tiles) in float32 (natural log),
     where T_tiles rounds T up to whole CTA tiles.
   """
-  b, t, n, d = q.shape
-  seq_kv = k.shape[1] if opts.seq_kv is None else opts.seq_kv
-  dims = _Dims(b, t, seq_kv, n, k.shape[2], d, q.dtype)
+  b, t, n, _ = q.shape
+  dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   num_tiles = pl.cdiv(t, cfg.rows_per_cta)
   sched = scheduler.make(num_tiles, n, b, cfg.rows_per_cta,
