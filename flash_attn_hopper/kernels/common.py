@@ -3,15 +3,18 @@ one-shot matmuls and the producer warpgroup's whole life."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import hardware
+from flash_attn_hopper import layouts
 from flash_attn_hopper import pipeline
 
 
@@ -75,3 +78,25 @@ def producer(streams, num_steps, num_stages: int):
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
   pipeline.produce(streams, 0, num_steps, num_stages)
   pipeline.drain(streams, num_steps, num_stages)
+
+
+def specialize(compute: Callable, produce: Callable) -> None:
+  """Runs `compute(wg)` on the compute warpgroups and `produce()` on the producer."""
+  wg = lax.axis_index("wg")
+  pl.when(wg < pipeline.NUM_COMPUTE_WARPGROUPS)(lambda: compute(wg))
+  pl.when(wg == pipeline.PRODUCER_WARPGROUP)(produce)
+
+
+def launch(body, *args, out_type, grid, grid_names, name: str, interpret: bool):
+  """Runs a warp-specialized kernel (compute warpgroups + producer) on `args`.
+
+  With `interpret`, through the Mosaic GPU interpreter; either way, the two opaque
+  wrong-accumulator-layout failures come back as `layouts.AccumulatorLayoutError`.
+  """
+  kernel = plgpu.kernel(
+      body, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=pipeline.NUM_WARPGROUPS, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name=name)
+  mode = plgpu.force_gpu_interpret_mode() if interpret else contextlib.nullcontext()
+  with mode, layouts.explain_accumulator_errors():
+    return kernel(*args)

@@ -19,7 +19,6 @@ with zeros, so they add nothing, and the rows past S are clipped on store.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -30,7 +29,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash_attn_hopper import accumulate
-from flash_attn_hopper import layouts
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
@@ -184,10 +182,8 @@ def _entry(q, k, v, do, lse, delta, dk, dv, *, dims: common.Dims, opts):
     streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
                        cfg)
     num_steps = dims.group * tile.steps_per_head
-    wg = lax.axis_index("wg")
-    pl.when(wg < wgs)(
-        lambda: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts))
-    pl.when(wg == pipeline.PRODUCER_WARPGROUP)(
+    common.specialize(
+        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),
         lambda: common.producer(streams, num_steps, stages))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
@@ -198,16 +194,9 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   num_kv_tiles = pl.cdiv(k.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv)
-  kernel = plgpu.kernel(
-      functools.partial(_entry, dims=dims, opts=opts),
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
-      grid_names=("kv_tile", "kv_head", "batch"),
-      num_threads=pipeline.NUM_WARPGROUPS,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      kernel_name="flash_attn_hopper_dkv",
-  )
-  interpret = plgpu.force_gpu_interpret_mode() if opts.interpret else contextlib.nullcontext()
-  with interpret, layouts.explain_accumulator_errors():
-    return kernel(q, k, v, do, lse_log2, delta)
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  return common.launch(
+      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
+      out_type=out_type, grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
+      grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
+      interpret=opts.interpret)

@@ -14,7 +14,6 @@ ring as the forward's, over the same KV block range (`masking.kv_block_range`):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -25,7 +24,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash_attn_hopper import accumulate
-from flash_attn_hopper import layouts
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
@@ -157,10 +155,9 @@ def _entry(q, k, v, do, lse, delta, dq, *, dims: common.Dims, opts):
                         v_consumed))
     cta_blocks = masking.kv_block_range(tile.row0, wgs * cfg.block_q, dims.seq_kv,
                                         cfg.block_kv, opts.is_causal).n_visit
-    wg = lax.axis_index("wg")
-    pl.when(wg < wgs)(lambda: _compute_warpgroup(wg, tile, refs, streams, tile_ready,
-                                                 cta_blocks, dims, opts))
-    pl.when(wg == pipeline.PRODUCER_WARPGROUP)(
+    common.specialize(
+        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta_blocks, dims,
+                                      opts),
         lambda: common.producer(streams, cta_blocks, stages))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
@@ -171,16 +168,8 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   num_q_tiles = pl.cdiv(q.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q)
-  kernel = plgpu.kernel(
-      functools.partial(_entry, dims=dims, opts=opts),
+  return common.launch(
+      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(num_q_tiles, dims.num_q_heads, dims.batch),
-      grid_names=("q_tile", "head", "batch"),
-      num_threads=pipeline.NUM_WARPGROUPS,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      kernel_name="flash_attn_hopper_dq",
-  )
-  interpret = plgpu.force_gpu_interpret_mode() if opts.interpret else contextlib.nullcontext()
-  with interpret, layouts.explain_accumulator_errors():
-    return kernel(q, k, v, do, lse_log2, delta)
+      grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
+      name="flash_attn_hopper_dq", interpret=opts.interpret)

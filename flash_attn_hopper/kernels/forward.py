@@ -20,7 +20,6 @@ are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -34,7 +33,6 @@ from jax import lax
 from flash_attn_hopper import accumulate
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import hardware
-from flash_attn_hopper import layouts
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import scheduler
@@ -232,11 +230,8 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
-  wg = lax.axis_index("wg")
-  pl.when(wg < pipeline.NUM_COMPUTE_WARPGROUPS)(
-      lambda: _compute_warpgroup(wg, refs, bars, sched, dims, opts))
-  pl.when(wg == pipeline.PRODUCER_WARPGROUP)(
-      lambda: _producer_warpgroup(refs, bars, sched, dims, opts))
+  common.specialize(lambda wg: _compute_warpgroup(wg, refs, bars, sched, dims, opts),
+                    lambda: _producer_warpgroup(refs, bars, sched, dims, opts))
 
 
 def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sched, dims: common.Dims, opts: ForwardOptions):
@@ -286,16 +281,7 @@ def attention_forward(q, k, v, opts: ForwardOptions):
                          paired=opts.is_causal)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
-  kernel = plgpu.kernel(
-      functools.partial(_entry, sched=sched, dims=dims, opts=opts),
-      out_type=out_types,
-      grid=(sched.num_ctas,),
-      grid_names=("cta",),
-      num_threads=pipeline.NUM_WARPGROUPS,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      kernel_name="flash_attn_hopper_fwd",
-  )
-  interpret = plgpu.force_gpu_interpret_mode() if opts.interpret else contextlib.nullcontext()
-  with interpret, layouts.explain_accumulator_errors():
-    return kernel(q, k, v)
+  return common.launch(
+      functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v,
+      out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
+      name="flash_attn_hopper_fwd", interpret=opts.interpret)
