@@ -30,7 +30,9 @@ def attention(q, k, v, opts: forward_kernel.ForwardOptions):
 
 
 def _attention_fwd(q, k, v, opts):
-  out, lse = forward_kernel.attention_forward(q, k, v, opts)
+  # Through `attention` itself, so that differentiating the residuals (a second derivative)
+  # meets this custom rule, and then `_backward`'s clear error, not the kernel's lowering.
+  out, lse = attention(q, k, v, opts)
   return (out, lse), (q, k, v, out, lse)
 
 
@@ -46,7 +48,27 @@ def _attention_bwd(opts, residuals, cotangents):
                                     config=config_lib.BackwardConfig(),
                                     interpret=opts.interpret,
                                     seq_kv=opts.seq_kv)
-  return backward_kernel.attention_backward(q, k, v, out, lse, dout, bwd_opts)
+  return _backward(q, k, v, out, lse, dout, bwd_opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _backward(q, k, v, out, lse, dout, opts):
+  """The backward kernels, as a function that refuses to be differentiated again."""
+  return backward_kernel.attention_backward(q, k, v, out, lse, dout, opts)
+
+
+def _backward_fwd(q, k, v, out, lse, dout, opts):
+  return _backward(q, k, v, out, lse, dout, opts), None
+
+
+def _backward_bwd(opts, residuals, cotangents):
+  del opts, residuals, cotangents
+  raise NotImplementedError(
+      "flash_attn_hopper: second derivatives through the attention kernels are not "
+      "supported; use implementation='xla' for higher-order derivatives.")
+
+
+_backward.defvjp(_backward_fwd, _backward_bwd)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -54,3 +54,22 @@ def test_gradients_are_deterministic(rng):
   second = _grads(q, k, v, dout, is_causal=True)
   for a, b in zip(first, second):
     assert bool(jnp.all(a == b))
+
+
+def test_second_derivative_raises_a_clear_error(rng):
+  w = SHAPES[0]
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  loss = lambda q: jnp.sum(fah.dot_product_attention(q, k, v, interpret=True)
+                           .astype(jnp.float32) ** 2)
+  with pytest.raises(NotImplementedError, match="second derivatives"):
+    jax.grad(lambda q: jnp.sum(jax.grad(loss)(q).astype(jnp.float32)))(q)
+
+
+def test_jit_of_vmap_of_the_gradient(rng):
+  w = SHAPES[1]
+  qkv = [testing.random_qkv(rng, w, "float16") for _ in range(2)]
+  q, k, v = (jnp.stack(xs) for xs in zip(*qkv))
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
+  grads = jax.jit(jax.vmap(lambda q, k, v, d: _grads(q, k, v, d, is_causal=True)))(q, k, v, dout)
+  for i in range(2):
+    testing.check_gradients([g[i] for g in grads], q[i], k[i], v[i], dout[i], is_causal=True)
