@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
@@ -29,5 +30,8 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions):
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_tiles - t)))
   lse_log2 = lse * softmax.LOG2E
   dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts)
+  # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,
+  # and the CPU interpreter deadlocks when XLA runs two interpreted kernels at once.
+  q, dq = lax.optimization_barrier((q, dq))
   dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts)
   return dq, dk, dv
