@@ -7,11 +7,12 @@ share one (batch, head)'s K/V in L2:
   work items `cta, cta + num_ctas, ...`. The producer streams K/V for the next tile while the
   compute warpgroups finish the current one, the next Q loads under the epilogue, and the CTA
   launch and register rebalancing are paid once.
-- paired (causal, where tile i costs i + 1 blocks): each CTA takes a tile and its mirror,
-  longest first, ``(n − 1 − p, p)``, so that every CTA does the same n + 1 blocks, and the
-  hardware's own CTA scheduler balances the rest. A static round-robin over tiles of unequal
-  cost measured 0.6–0.7× of cuDNN at 16k on an H200; this keeps the persistent schedule's
-  overlap for one tile boundary per CTA.
+- paired (causal, where tile i costs i + 1 blocks): work items are a tile and its mirror,
+  longest first, ``(n − 1 − p, p)``, so that every pair costs the same n + 1 blocks. A
+  static round-robin over tiles of unequal cost measured 0.6–0.7× of cuDNN at 16k on an
+  H200. With an even number of tiles per head every item is a full pair, so the pairs are
+  dealt round-robin to persistent CTAs, as above; with an odd number, the middle tile is a
+  pair of one, and each CTA takes one pair and leaves the balancing to the hardware.
 """
 
 from __future__ import annotations
@@ -39,22 +40,30 @@ class TileScheduler(NamedTuple):
 
   def items_of(self, cta):
     """How many work items CTA `cta` runs (at least one)."""
-    if self.paired:
+    if self.paired and not self._persistent_pairs:
       pair = cta % self._pairs_per_head
       return jnp.where(2 * pair + 1 == self.num_q_tiles, 1, 2)
     items = self.num_q_tiles * self.num_heads * self.batch
+    if self.paired:  # Whole pairs, dealt round-robin.
+      pairs = items // 2
+      return 2 * ((pairs - cta + self.num_ctas - 1) // self.num_ctas)
     return (items - cta + self.num_ctas - 1) // self.num_ctas
 
   @property
   def _pairs_per_head(self) -> int:
     return (self.num_q_tiles + 1) // 2
 
+  @property
+  def _persistent_pairs(self) -> bool:
+    return self.num_q_tiles % 2 == 0
+
   def tile(self, cta, i) -> Tile:
     """The `i`-th work item of CTA `cta`."""
     if self.paired:
-      pair = cta % self._pairs_per_head
-      q_tile = jnp.where(i == 0, self.num_q_tiles - 1 - pair, pair)
-      head_batch = cta // self._pairs_per_head
+      item = cta + i // 2 * self.num_ctas if self._persistent_pairs else cta
+      pair = item % self._pairs_per_head
+      q_tile = jnp.where(i % 2 == 0, self.num_q_tiles - 1 - pair, pair)
+      head_batch = item // self._pairs_per_head
     else:
       item = cta + i * self.num_ctas
       q_tile = item % self.num_q_tiles
@@ -65,9 +74,13 @@ class TileScheduler(NamedTuple):
 
 def make(num_q_tiles: int, num_heads: int, batch: int, rows_per_tile: int, max_ctas: int,
          paired: bool) -> TileScheduler:
-  """The paired schedule for causal attention, else the persistent one over `max_ctas`."""
-  if paired:
-    num_ctas = (num_q_tiles + 1) // 2 * num_heads * batch
+  """The paired schedule for causal attention, else the persistent one; at most `max_ctas`
+  persistent CTAs."""
+  pairs = (num_q_tiles + 1) // 2 * num_heads * batch
+  if paired and num_q_tiles % 2:
+    num_ctas = pairs
+  elif paired:
+    num_ctas = max(1, min(pairs, max_ctas))
   else:
     num_ctas = max(1, min(num_q_tiles * num_heads * batch, max_ctas))
   return TileScheduler(num_q_tiles, num_heads, batch, rows_per_tile, num_ctas, paired)

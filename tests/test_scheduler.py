@@ -40,6 +40,21 @@ def test_paired_schedule_balances_causal_work():
   assert set(work) == {8 + 1}  # Tile p and its mirror 7 − p: p + 1 + 8 − p blocks.
 
 
+def test_even_pairs_are_dealt_to_persistent_ctas():
+  # 4 pairs per head, 12 pairs in all over 5 CTAs: 3, 3, 2, 2, 2 pairs of 9 blocks each.
+  sched = scheduler.make(8, num_heads=3, batch=1, rows_per_tile=128, max_ctas=5, paired=True)
+  assert sched.num_ctas == 5
+  _, work = _tiles(sched)
+  assert work == [27, 27, 18, 18, 18]
+
+
+def test_odd_tile_counts_take_one_pair_per_cta():
+  sched = scheduler.make(7, num_heads=2, batch=1, rows_per_tile=128, max_ctas=3, paired=True)
+  assert sched.num_ctas == 8  # 4 items per head, the middle one a single tile.
+  _, work = _tiles(sched)
+  assert sorted(work) == [4, 4, 8, 8, 8, 8, 8, 8]  # The middle tile 3 alone: 4 blocks.
+
+
 def test_persistent_schedule_caps_ctas():
   sched = scheduler.make(64, num_heads=16, batch=4, rows_per_tile=128, max_ctas=132,
                          paired=False)
