@@ -1,9 +1,9 @@
 """Autodiff wiring of the kernel attention: a `jax.custom_vjp` over the kernels.
 
-Residuals are (q, k, v, out, lse). The backward kernels (dQ, dK/dV) pass their tests in the
-Mosaic GPU interpreter but have not yet been validated on a Hopper GPU, so on the GPU the
-backward rule still raises NotImplementedError: `jax.grad` through the kernel never returns a
-gradient that was not checked there.
+Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ preprocess, dQ,
+dK/dV) at the head dims they were validated for on an H200; at the others (D 256, where the
+dK/dV accumulators do not fit the registers) it runs `blockwise`, FlashAttention's backward
+in XLA ops, with O(T) extra memory like the kernels.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ import functools
 
 import jax
 
+from flash_attn_hopper import blockwise
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper.kernels import backward as backward_kernel
 from flash_attn_hopper.kernels import common
 from flash_attn_hopper.kernels import forward as forward_kernel
 
 
-#: Whether the backward kernels run outside the interpreter. False until they pass the GPU
-#: tests (tests/test_backward_gpu.py, which set it for their own run) on an H200.
-BACKWARD_ON_GPU = False
+#: Head dims whose gradients come from the Pallas backward kernels; the others go through
+#: `blockwise`. The kernels passed tests/test_backward_gpu.py (fp16/bf16, GQA/MHA/MQA, causal
+#: and not, T and S from 113 to 4096) on an H200 with jax 0.11.2 on 2026-11-29 at D 64 and 128.
+KERNEL_BACKWARD_HEAD_DIMS = (64, 128)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -37,18 +39,26 @@ def _attention_fwd(q, k, v, opts):
 
 
 def _attention_bwd(opts, residuals, cotangents):
-  if not (opts.interpret or BACKWARD_ON_GPU):
-    raise NotImplementedError(
-        "flash_attn_hopper: the backward kernels have not been validated on a Hopper GPU "
-        "yet, so gradients through implementation='flash_attn_hopper' are unavailable. Use "
-        "implementation='xla' or 'cudnn' to differentiate.")
   q, k, v, out, lse = residuals
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
+  if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS:
+    return _blockwise_backward(q, k, v, out, lse, dout, opts)
   bwd_opts = common.BackwardOptions(scale=opts.scale, is_causal=opts.is_causal,
                                     config=config_lib.BackwardConfig(),
                                     interpret=opts.interpret,
                                     seq_kv=opts.seq_kv)
   return _backward(q, k, v, out, lse, dout, bwd_opts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _blockwise_backward(q, k, v, out, lse, dout, opts):
+  """`blockwise.attention_backward`, also refusing to be differentiated again."""
+  return blockwise.attention_backward(q, k, v, out, lse, dout, scale=opts.scale,
+                                      is_causal=opts.is_causal, seq_kv=opts.seq_kv)
+
+
+def _blockwise_backward_fwd(q, k, v, out, lse, dout, opts):
+  return _blockwise_backward(q, k, v, out, lse, dout, opts), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -69,6 +79,7 @@ def _backward_bwd(opts, residuals, cotangents):
 
 
 _backward.defvjp(_backward_fwd, _backward_bwd)
+_blockwise_backward.defvjp(_blockwise_backward_fwd, _backward_bwd)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

@@ -73,3 +73,18 @@ def test_jit_of_vmap_of_the_gradient(rng):
   grads = jax.jit(jax.vmap(lambda q, k, v, d: _grads(q, k, v, d, is_causal=True)))(q, k, v, dout)
   for i in range(2):
     testing.check_gradients([g[i] for g in grads], q[i], k[i], v[i], dout[i], is_causal=True)
+
+
+def test_head_dim_256_gradients_come_from_the_blockwise_backward(rng, monkeypatch):
+  from flash_attn_hopper.kernels import backward as backward_kernel
+
+  def no_kernel(*args, **kwargs):
+    raise AssertionError("the backward kernels ran at D 256")
+
+  monkeypatch.setattr(backward_kernel, "attention_backward", no_kernel)
+  w = workloads.Workload("gqa_70x150_d256", batch=1, seq_q=70, seq_kv=150, num_q_heads=4,
+                         num_kv_heads=2, head_dim=256)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  grads = _grads(q, k, v, dout, is_causal=True)
+  testing.check_gradients(grads, q, k, v, dout, is_causal=True)

@@ -57,14 +57,6 @@ def test_small_explicit_config_with_deep_ring(rng):
   testing.check_attention(out, q, k, v)
 
 
-def test_grad_on_the_gpu_raises_until_the_backward_is_validated_there(rng):
-  from flash_attn_hopper import autodiff
-  from flash_attn_hopper.kernels import forward
-  opts = forward.ForwardOptions(scale=0.1, is_causal=False, config=fah.ForwardConfig())
-  with pytest.raises(NotImplementedError, match="not been validated on a Hopper GPU"):
-    autodiff._attention_bwd(opts, None, None)
-
-
 def test_causal_warpgroups_with_unequal_block_counts(rng):
   # block_kv 64 with 64-row warpgroup tiles: warpgroup 1 visits one block more than
   # warpgroup 0 on every tile, which exercises the release path and the producer's drain.

@@ -1,0 +1,81 @@
+"""The backward pass in plain JAX, one KV block at a time: for head dims the kernels lack.
+
+The dK/dV kernel holds dK and dV for its keys in registers; at head dim 256 the two float32
+accumulators alone need 256 registers per thread, over the 232 a compute warpgroup has, and
+its shared-memory tiles overflow too. Until a kernel for that shape exists, `autodiff` sends
+those gradients here. This is FlashAttention's backward written with XLA ops: a `lax.scan`
+over KV blocks recomputes P from the forward's LSE, so memory stays O(T · block_kv) and no
+T×S tensor is built. Matmul operands are the inputs' 16-bit dtype with float32 accumulation,
+as in the kernels:
+
+    per KV block j:
+      S = Q Kⱼᵀ · scale, masked        P = exp(S − LSE)
+      dVⱼ = Pᵀ dO                      dP = dO Vⱼᵀ
+      dS = P ∘ (dP − δ)                dQ += dS Kⱼ · scale,  dKⱼ = dSᵀ Q · scale
+
+GQA sums dK and dV over each query-head group inside the einsums.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+#: Keys per scan step: large enough to keep the tensor cores busy, small enough that the
+#: (B, N, T, block) float32 temporaries stay a small multiple of the inputs.
+BLOCK_KV = 256
+
+
+def attention_backward(q, k, v, out, lse, dout, *, scale: float, is_causal: bool,
+                       seq_kv: int | None = None, block_kv: int = BLOCK_KV):
+  """Gradients of attention with respect to q, k and v, from the forward's residuals.
+
+  Args:
+    q, out, dout: (B, T, N, D); k, v: (B, S, K, D) with N % K == 0.
+    lse: (B, N, ≥T) float32, natural log (the forward kernel's LSE; entries past T unused).
+    scale: the logits' scale. is_causal: top-left causal, as in `jax.nn`.
+    seq_kv: keys at or past it are masked (K/V were padded); None: all keys count.
+
+  Returns:
+    (dq, dk, dv), shaped and typed like (q, k, v).
+  """
+  b, t, n, d = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  group = n // kv_heads
+  seq_kv = s if seq_kv is None else seq_kv
+  num_blocks = -(-s // block_kv)
+  pad = num_blocks * block_kv - s
+  # Queries grouped by their KV head: (B, T, K, G, D).
+  grouped = lambda x: x.reshape(b, t, kv_heads, group, d)
+  qg, dog = grouped(q), grouped(dout)
+  lse = lse[..., :t].reshape(b, kv_heads, group, t)
+  delta = jnp.einsum("btnd,btnd->bnt", dout, out, preferred_element_type=jnp.float32)
+  delta = delta.reshape(b, kv_heads, group, t)
+  blocks = lambda x: jnp.moveaxis(
+      jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, num_blocks, block_kv,
+                                                             kv_heads, d), 1, 0)
+  rows = lax.broadcasted_iota(jnp.int32, (t, block_kv), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (t, block_kv), 1)
+
+  def step(dq, xs):
+    j, kj, vj = xs
+    keys = j * block_kv + cols
+    visible = keys < seq_kv
+    if is_causal:
+      visible = visible & (keys <= rows)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32)
+    p = jnp.where(visible, jnp.exp(logits * scale - lse[..., None]), 0.0)
+    dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), dog,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum("btkgd,bskd->bkgts", dog, vj, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None])).astype(q.dtype)
+    dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, kj, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg, preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  dq0 = jnp.zeros((b, t, kv_heads, group, d), jnp.float32)
+  dq, (dk, dv) = lax.scan(step, dq0, (jnp.arange(num_blocks), blocks(k), blocks(v)))
+  unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, num_blocks * block_kv, kv_heads, d)[:, :s]
+  return ((dq * scale).reshape(q.shape).astype(q.dtype),
+          (unblock(dk) * scale).astype(k.dtype),
+          unblock(dv).astype(v.dtype))
