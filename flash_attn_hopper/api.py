@@ -17,6 +17,7 @@ import numpy as np
 from flash_attn_hopper import autodiff
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import hardware
+from flash_attn_hopper import masking
 from flash_attn_hopper.kernels import forward as forward_kernel
 
 #: Names `implementation` accepts. None picks ours on Hopper and XLA elsewhere.
@@ -98,34 +99,90 @@ def _pad_seq(x, minimum: int):
   return jnp.pad(x, ((0, 0), (0, target - n), (0, 0), (0, 0)))
 
 
-def _kernel_attention(q, k, v, *, scale, is_causal, config, interpret):
-  """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32."""
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _window(local_window_size) -> tuple[int | None, int | None]:
+  """`jax.nn`'s local_window_size as (left, right): an int w means (w, w)."""
+  if local_window_size is None:
+    return None, None
+  if isinstance(local_window_size, (int, np.integer)):
+    local_window_size = (local_window_size, local_window_size)
+  try:
+    left, right = (int(x) for x in local_window_size)
+  except (TypeError, ValueError):
+    raise ValueError(f"local_window_size must be an int or a (left, right) pair of ints; got "
+                     f"{local_window_size!r}") from None
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be non-negative; got {local_window_size!r}")
+  return left, right
+
+
+def mask_spec(t: int, s: int, *, is_causal, local_window_size,
+              causal_alignment="top_left") -> masking.MaskSpec:
+  """The kernels' `MaskSpec` for the op's arguments (T queries, S keys)."""
+  if causal_alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got "
+                     f"{causal_alignment!r}")
+  left, right = _window(local_window_size)
+  return masking.MaskSpec(is_causal=bool(is_causal), left=left, right=right,
+                          offset=s - t if causal_alignment == "bottom_right" else 0)
+
+
+def _kernel_attention(q, k, v, *, scale, spec, config, interpret):
+  """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
+
+  Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
+  gives them jax.nn's answer)."""
   t, s = q.shape[1], k.shape[1]
-  cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, is_causal, config)
-  opts = forward_kernel.ForwardOptions(scale=float(scale), is_causal=bool(is_causal),
-                                       config=cfg, interpret=bool(interpret), seq_kv=s,
+  cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config)
+  opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
+                                       interpret=bool(interpret), seq_kv=s,
                                        max_ctas=INTERPRET_CTAS if interpret else None)
   out, lse = autodiff.attention(_pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv),
                                 _pad_seq(v, cfg.block_kv), opts)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
+def _as_jax_nn_for_empty_rows(out, v, empty: np.ndarray):
+  """jax.nn masks logits with a large finite negative, so a query that sees no key gets the
+  mean of V over all keys. The kernel returns 0 there; this puts jax.nn's rows in."""
+  if not empty.any():
+    return out
+  b, t, n, h = out.shape
+  mean_v = jnp.mean(v.astype(jnp.float32), axis=1)                  # (B, K, H)
+  mean_v = jnp.repeat(mean_v, n // v.shape[2], axis=1).astype(out.dtype)  # (B, N, H)
+  return jnp.where(jnp.asarray(empty)[None, :, None, None], mean_v[:, None], out)
+
+
+def _band_as_mask(spec: masking.MaskSpec, t: int, s: int, mask):
+  """jax.nn has no bottom-right alignment: its paths get the band as an explicit mask."""
+  band = jnp.asarray(spec.visible(np.arange(t)[:, None], np.arange(s)[None, :]))
+  return band if mask is None else jnp.logical_and(mask, band)
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          interpret=False, config=None):
+                          causal_alignment="top_left", interpret=False, config=None):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s semantics.
 
   Args:
     query: (B, T, N, H) or (T, N, H).
     key, value: (B, S, K, H) or (S, K, H); N must be a multiple of K (GQA; K = 1 is MQA).
       K/V are never repeated in memory.
-    bias, mask, query_seq_lengths, key_value_seq_lengths, local_window_size: as in `jax.nn`.
-      The kernel does not support them yet: with the kernel they raise NotImplementedError;
-      with implementation='xla' or 'cudnn' they go to `jax.nn`.
+    bias, mask, query_seq_lengths, key_value_seq_lengths: as in `jax.nn`. The kernel does
+      not support them yet: with the kernel they raise NotImplementedError; with
+      implementation='xla' or 'cudnn' they go to `jax.nn`.
+    local_window_size: as in `jax.nn`: an int w or a pair (left, right); query i sees keys
+      [i − left, i + right] (shifted by S − T with bottom-right alignment). KV blocks outside
+      the band are skipped, so the cost follows the window, not S.
     scale: logit scale; default 1/sqrt(H).
-    is_causal: top-left aligned causal mask (query i sees keys j <= i), as in `jax.nn`. KV
+    is_causal: causal mask (query i sees keys j <= i), top-left aligned as in `jax.nn`. KV
       blocks above the diagonal are skipped.
+    causal_alignment: 'top_left' (default, jax.nn's) or 'bottom_right' (FlashAttention's for
+      T != S, as in decoding and chunked prefill: query i sees keys j <= i + S − T). It
+      shifts the window the same way.
     implementation: None (our kernel on a Hopper GPU; elsewhere XLA, with one warning),
       'flash_attn_hopper' (our kernel; an error off Hopper unless `interpret`), 'xla' or
       'cudnn' (`jax.nn.dot_product_attention`'s own).
@@ -135,6 +192,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     config: a `ForwardConfig` overriding the tuned block sizes.
 
   Kernel dtypes are float16 and bfloat16; head dims 64, 128 and 256; any T ≥ 1 and S ≥ 1.
+
+  A query that sees no key (a window or a bottom-right alignment can leave one with none)
+  gets what `jax.nn` gives it: the mean of V over all keys; its gradient flows to V alone.
+  Its LSE from the kernel is −inf.
 
   Returns:
     The output, shaped like `query` and in its dtype; with `return_residual`, (output, lse).
@@ -146,17 +207,23 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
   _check_shapes(query, key, value)
+  t, s = query.shape[-3], key.shape[-3]
+  spec = mask_spec(t, s, is_causal=is_causal, local_window_size=local_window_size,
+                   causal_alignment=causal_alignment)
   masks = dict(bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
-               key_value_seq_lengths=key_value_seq_lengths,
-               local_window_size=local_window_size)
+               key_value_seq_lengths=key_value_seq_lengths)
 
   use_kernel = interpret or implementation == KERNEL or (implementation is None and on_hopper())
   if not use_kernel:
     if implementation is None:
       _warn_fallback_once()
+    if spec.offset and spec.banded:
+      masks["mask"] = _band_as_mask(spec, t, s, mask)
+      is_causal, local_window_size = False, None
     return jax.nn.dot_product_attention(
         query, key, value, **masks, scale=scale, is_causal=is_causal,
-        implementation=implementation or "xla", return_residual=return_residual)
+        local_window_size=local_window_size, implementation=implementation or "xla",
+        return_residual=return_residual)
   if not interpret and not on_hopper():
     raise RuntimeError(
         f"implementation='{KERNEL}' needs an sm90 (Hopper) GPU; the default device is "
@@ -168,8 +235,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if squeeze:
     query, key, value = query[None], key[None], value[None]
   scale = 1.0 / np.sqrt(query.shape[-1]) if scale is None else scale
-  out, lse = _kernel_attention(query, key, value, scale=scale, is_causal=is_causal,
-                               config=config, interpret=interpret)
+  out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
+                               interpret=interpret)
+  out = _as_jax_nn_for_empty_rows(out, value, masking.empty_rows(spec, t, s))
   if squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out

@@ -43,7 +43,7 @@ def _attention_bwd(opts, residuals, cotangents):
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
   if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS:
     return _blockwise_backward(q, k, v, out, lse, dout, opts)
-  bwd_opts = common.BackwardOptions(scale=opts.scale, is_causal=opts.is_causal,
+  bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
                                     config=config_lib.BackwardConfig(),
                                     interpret=opts.interpret,
                                     seq_kv=opts.seq_kv)
@@ -54,7 +54,7 @@ def _attention_bwd(opts, residuals, cotangents):
 def _blockwise_backward(q, k, v, out, lse, dout, opts):
   """`blockwise.attention_backward`, also refusing to be differentiated again."""
   return blockwise.attention_backward(q, k, v, out, lse, dout, scale=opts.scale,
-                                      is_causal=opts.is_causal, seq_kv=opts.seq_kv)
+                                      mask=opts.mask, seq_kv=opts.seq_kv)
 
 
 def _blockwise_backward_fwd(q, k, v, out, lse, dout, opts):

@@ -21,19 +21,21 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from flash_attn_hopper import masking
+
 #: Keys per scan step: large enough to keep the tensor cores busy, small enough that the
 #: (B, N, T, block) float32 temporaries stay a small multiple of the inputs.
 BLOCK_KV = 256
 
 
-def attention_backward(q, k, v, out, lse, dout, *, scale: float, is_causal: bool,
+def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
                        seq_kv: int | None = None, block_kv: int = BLOCK_KV):
   """Gradients of attention with respect to q, k and v, from the forward's residuals.
 
   Args:
     q, out, dout: (B, T, N, D); k, v: (B, S, K, D) with N % K == 0.
     lse: (B, N, ≥T) float32, natural log (the forward kernel's LSE; entries past T unused).
-    scale: the logits' scale. is_causal: top-left causal, as in `jax.nn`.
+    scale: the logits' scale. mask: the visible band (causal, window, alignment).
     seq_kv: keys at or past it are masked (K/V were padded); None: all keys count.
 
   Returns:
@@ -61,8 +63,9 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, is_causal: bool
     j, kj, vj = xs
     keys = j * block_kv + cols
     visible = keys < seq_kv
-    if is_causal:
-      visible = visible & (keys <= rows)
+    band = mask.visible(rows, keys)
+    if band is not None:
+      visible = visible & band
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32)
     p = jnp.where(visible, jnp.exp(logits * scale - lse[..., None]), 0.0)
     dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), dog,

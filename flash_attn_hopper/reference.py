@@ -23,9 +23,11 @@ def _as_4d(x):
   return None if x is None else jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
 
 
-def _logits_mask(t, s, mask, is_causal, q_lens, kv_lens, window):
-  """A boolean (B|1, N|1, T, S) mask of visible logits, or None when all are visible."""
-  q_pos = jnp.arange(t)[:, None]
+def _logits_mask(t, s, mask, is_causal, q_lens, kv_lens, window, offset=0):
+  """A boolean (B|1, N|1, T, S) mask of visible logits, or None when all are visible.
+
+  `offset` shifts the diagonal that causality and the window follow (S − T: bottom-right)."""
+  q_pos = jnp.arange(t)[:, None] + offset
   k_pos = jnp.arange(s)[None, :]
   visible = None
 
@@ -46,9 +48,21 @@ def _logits_mask(t, s, mask, is_causal, q_lens, kv_lens, window):
   return visible
 
 
+def band_mask(t: int, s: int, *, is_causal=False, local_window_size=None,
+              causal_alignment="top_left"):
+  """The (T, S) boolean mask of the causal and window constraints (None: nothing masked);
+  how `jax.nn`'s own paths get a bottom-right alignment, as an explicit mask."""
+  if isinstance(local_window_size, int):
+    local_window_size = (local_window_size, local_window_size)
+  visible = _logits_mask(t, s, None, is_causal, None, None, local_window_size,
+                         offset=s - t if causal_alignment == "bottom_right" else 0)
+  return None if visible is None else visible[0, 0]
+
+
 def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
-                        local_window_size=None, return_residual=False):
+                        local_window_size=None, return_residual=False,
+                        causal_alignment="top_left"):
   """Attention in float32 with `jax.nn.dot_product_attention`'s semantics.
 
   Args:
@@ -58,6 +72,8 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
     scale: multiplies the logits; default 1/sqrt(H).
     is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: as in `jax.nn`.
     return_residual: also return the float32 log-sum-exp of the scaled logits, shape (B, T, N).
+    causal_alignment: 'top_left' (jax.nn's) or 'bottom_right' (query i's diagonal is key
+      i + S − T), for the causal mask and the window alike.
 
   Returns:
     The output in float32 (float64 for float64 inputs), shaped like `query`; with
@@ -79,7 +95,8 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
   if bias is not None:
     logits = logits + _as_4d(jnp.asarray(bias, compute))
   visible = _logits_mask(t, s, None if mask is None else _as_4d(jnp.asarray(mask, bool)),
-                         is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size)
+                         is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size,
+                         offset=s - t if causal_alignment == "bottom_right" else 0)
   if visible is not None:
     logits = jnp.where(visible, logits, jnp.asarray(-0.7 * np.finfo(np.float32).max, compute))
   lse = jax.nn.logsumexp(logits, axis=-1)                                   # (B, N, T)

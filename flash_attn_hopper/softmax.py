@@ -84,7 +84,9 @@ def recompute(s, lse_log2, exp2_scale: float, query_axis: int = 0):
   """P = 2^(c·s − LSE·log2(e)) for a logit block, from the forward's LSE (in log2 units).
 
   `query_axis` is 0 for an (queries, keys) block and 1 for the transposed (keys, queries) one.
+  A fully masked row (LSE −inf, every logit −inf) gets P = 0, not NaN.
   """
+  lse_log2 = jnp.where(lse_log2 == -jnp.inf, 0.0, lse_log2)
   return jnp.exp2(s * exp2_scale - _along(lse_log2, s.shape, query_axis))
 
 

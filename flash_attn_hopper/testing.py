@@ -28,8 +28,15 @@ def random_qkv(rng: np.random.Generator, workload, dtype=None):
   return make(workload.q_shape), make(workload.kv_shape), make(workload.kv_shape)
 
 
-def naive_attention(q, k, v, **kwargs):
-  """The baseline: jax.nn's XLA attention in the inputs' own dtype."""
+def naive_attention(q, k, v, *, causal_alignment="top_left", **kwargs):
+  """The baseline: jax.nn's XLA attention in the inputs' own dtype (a bottom-right
+  alignment, which jax.nn lacks, goes in as an explicit mask)."""
+  if causal_alignment != "top_left":
+    band = reference.band_mask(q.shape[-3], k.shape[-3], is_causal=kwargs.pop("is_causal", False),
+                               local_window_size=kwargs.pop("local_window_size", None),
+                               causal_alignment=causal_alignment)
+    mask = kwargs.pop("mask", None)
+    kwargs["mask"] = band if mask is None else jnp.logical_and(mask, band)
   return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
 
 
@@ -62,8 +69,12 @@ def check_attention(actual_out, q, k, v, *, actual_lse=None, **kwargs):
   if actual_lse is not None:
     # jax.nn returns its LSE in the input dtype; ours is float32, so allow its rounding only.
     assert actual_lse.dtype == jnp.float32, f"lse dtype {actual_lse.dtype} != float32"
-    lse_err = max_abs_error(actual_lse, ref_lse)
-    lse_bound = ERROR_FACTOR * max_abs_error(naive_lse, ref_lse) + 1e-3
+    # A query that sees no key: the reference's LSE is its mask value, the kernel's −inf.
+    empty = np.asarray(ref_lse) < -1e30
+    assert np.all(np.asarray(actual_lse)[empty] == -np.inf), "lse of empty rows != -inf"
+    seen = lambda x: np.where(empty, 0.0, np.asarray(jnp.asarray(x, jnp.float32)))
+    lse_err = max_abs_error(seen(actual_lse), seen(ref_lse))
+    lse_bound = ERROR_FACTOR * max_abs_error(seen(naive_lse), seen(ref_lse)) + 1e-3
     assert lse_err <= lse_bound, f"lse: max abs error {lse_err:.3g} > bound {lse_bound:.3g}"
 
 

@@ -12,6 +12,8 @@ import pytest
 import flash_attn_hopper as fah
 from flash_attn_hopper import api
 from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import testing
+from flash_attn_hopper import workloads
 
 
 def _qkv(rng, b=1, t=16, s=24, n=4, k=2, d=64, dtype=jnp.bfloat16):
@@ -44,7 +46,7 @@ def test_unknown_implementation(rng):
 
 
 @pytest.mark.parametrize("name", ["bias", "mask", "query_seq_lengths",
-                                  "key_value_seq_lengths", "local_window_size"])
+                                  "key_value_seq_lengths"])
 def test_kernel_names_unsupported_arguments(rng, name):
   q, k, v = _qkv(rng)
   values = dict(bias=jnp.zeros((1, 4, 16, 24)), mask=jnp.ones((1, 4, 16, 24), bool),
@@ -120,3 +122,27 @@ def test_config_that_overflows_shared_memory_is_rejected_before_compiling():
 def test_every_tuned_config_fits(head_dim, is_causal, dtype):
   cfg = config_lib.resolve_forward_config(head_dim, dtype, is_causal)
   assert cfg.fits(head_dim, jnp.dtype(dtype).itemsize)
+
+
+@pytest.mark.parametrize("window", (-1, (3, -2), (1, 2, 3), "x"))
+def test_bad_local_window_size_is_named(window):
+  q = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="local_window_size"):
+    fah.dot_product_attention(q, q, q, local_window_size=window, implementation="xla")
+
+
+def test_bad_causal_alignment_is_named():
+  q = jnp.zeros((1, 8, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="causal_alignment"):
+    fah.dot_product_attention(q, q, q, causal_alignment="center", implementation="xla")
+
+
+@pytest.mark.parametrize("window", (None, (4, 2)))
+def test_bottom_right_alignment_on_the_xla_path_matches_the_reference(rng, window):
+  w = workloads.Workload("br", batch=1, seq_q=24, seq_kv=16, num_q_heads=2, num_kv_heads=1,
+                         head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "float32")
+  kw = dict(is_causal=True, local_window_size=window, causal_alignment="bottom_right")
+  out = fah.dot_product_attention(q, k, v, implementation="xla", **kw)
+  ref = fah.attention_reference(q, k, v, **kw)
+  assert float(jnp.max(jnp.abs(out - ref))) < 1e-5

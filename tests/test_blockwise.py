@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from flash_attn_hopper import blockwise
+from flash_attn_hopper import masking
 from flash_attn_hopper import reference
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
@@ -26,7 +27,8 @@ def _grads(q, k, v, dout, *, is_causal, scale, block_kv, seq_kv=None):
                                            scale=scale, return_residual=True)
   lse = jnp.swapaxes(lse, 1, 2)  # (B, T, N) -> (B, N, T), the kernel's layout.
   return blockwise.attention_backward(q, k, v, out.astype(q.dtype), lse, dout, scale=scale,
-                                      is_causal=is_causal, seq_kv=seq_kv, block_kv=block_kv)
+                                      mask=masking.MaskSpec(is_causal=is_causal),
+                                      seq_kv=seq_kv, block_kv=block_kv)
 
 
 @pytest.mark.parametrize("w", SHAPES, ids=lambda w: w.name)

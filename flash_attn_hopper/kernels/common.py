@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import hardware
 from flash_attn_hopper import layouts
+from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 
 
@@ -45,11 +46,15 @@ class BackwardOptions:
   """Static options of one backward call (hashable)."""
 
   scale: float
-  is_causal: bool
+  mask: masking.MaskSpec
   config: config_lib.BackwardConfig
   interpret: bool = False
   #: Keys that count when K/V were padded along S; None means all of them.
   seq_kv: int | None = None
+
+  @property
+  def is_causal(self) -> bool:
+    return self.mask.is_causal
 
 
 def smem_tile(shape, dtype):

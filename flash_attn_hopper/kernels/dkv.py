@@ -66,18 +66,17 @@ class _Tile(NamedTuple):
 
 def _tile(dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
   cfg = opts.config
-  key0 = lax.axis_index("kv_tile") * (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv)
-  num_q_blocks = pl.cdiv(dims.seq_q, cfg.block_q)
-  # Top-left causal: query i sees key j when j <= i, so queries before key0 see none.
-  q_block0 = key0 // cfg.block_q if opts.is_causal else jnp.int32(0)
+  keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
+  key0 = lax.axis_index("kv_tile") * keys
+  blocks = masking.q_block_range(opts.mask, key0, keys, dims.seq_q, cfg.block_q)
   return _Tile(batch=lax.axis_index("batch"), kv_head=lax.axis_index("kv_head"), key0=key0,
-               q_block0=jnp.minimum(q_block0, num_q_blocks),
-               steps_per_head=num_q_blocks - jnp.minimum(q_block0, num_q_blocks))
+               q_block0=jnp.int32(blocks.first), steps_per_head=blocks.end - blocks.first)
 
 
 def _step_rows(step, tile: _Tile, dims, cfg):
   """The query head and query rows of ring step `step`."""
-  g, j = step // tile.steps_per_head, step % tile.steps_per_head
+  per_head = jnp.maximum(tile.steps_per_head, 1)  # A tile no query sees runs no step.
+  g, j = step // per_head, step % per_head
   head = tile.kv_head * dims.group + g
   return head, (tile.q_block0 + j) * cfg.block_q
 
@@ -94,10 +93,10 @@ def _q_step(step, carry, *, wg, tile, refs: _Refs, streams, dims, opts):
   staging = None if refs.staging is None else refs.staging.at[wg]
 
   st = common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
-  if opts.is_causal:
+  if opts.mask.banded:  # Every step: a step's queries may straddle either edge of the band.
     _, q0 = _step_rows(step, tile, dims, cfg)
     key0 = tile.key0 + wg * cfg.block_kv
-    st = masking.apply_element_mask(st, q0, key0, None, True, key_axis=0)
+    st = masking.apply_element_mask(st, q0, key0, None, opts.mask, key_axis=0)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=_COLUMNS)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=_COLUMNS)
   plgpu.barrier_arrive(lse_s.consumed.at[slot])

@@ -55,15 +55,15 @@ class _Tile(NamedTuple):
   row0: jax.Array
 
 
-def _kv_step(step, carry, *, q0, lse, delta, k_s, v_s, refs: _Refs, staging, q_smem, do_smem,
-             dims, opts, masked):
-  """KV block `step` against this warpgroup's queries."""
+def _kv_step(step, carry, *, q0, ring0, lse, delta, k_s, v_s, refs: _Refs, staging, q_smem,
+             do_smem, dims, opts, masked):
+  """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
   cfg = opts.config
-  slot = pipeline.slot_of(step, cfg.num_stages)
+  slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
   plgpu.barrier_wait(k_s.ready.at[slot])
   s = common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
   if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.is_causal)
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.mask)
   p = softmax.recompute(s, lse, opts.scale * softmax.LOG2E)
   plgpu.barrier_wait(v_s.ready.at[slot])
   dp = common.matmul(do_smem, refs.v_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
@@ -75,9 +75,9 @@ def _kv_step(step, carry, *, q0, lse, delta, k_s, v_s, refs: _Refs, staging, q_s
   return carry
 
 
-def _release_step(step, _, *, k_s, v_s, num_stages):
-  """A block streamed for the other warpgroup only (causal): observe it and free its slot."""
-  slot = pipeline.slot_of(step, num_stages)
+def _release_step(step, _, *, ring0, k_s, v_s, num_stages):
+  """A block streamed for the other warpgroup only (masks): observe it and free its slot."""
+  slot = pipeline.slot_of(ring0 + step, num_stages)
   for stream in (k_s, v_s):
     plgpu.barrier_wait(stream.ready.at[slot])
     plgpu.barrier_arrive(stream.consumed.at[slot])
@@ -98,23 +98,30 @@ def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, block_q: int):
   return q0
 
 
-def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta_blocks, dims,
-                       opts):
+def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, dims, opts):
+  """One warpgroup's queries: its own blocks of the CTA's [cta.first, cta.end), the others
+  released (as in the forward)."""
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
   cfg = opts.config
   q0 = _load_tile(wg, tile, refs, tile_ready, cfg.block_q)
   k_s, v_s = streams
+  ring0 = -cta.first
   step = functools.partial(
-      _kv_step, q0=q0, lse=plgpu.load(refs.lse_smem.at[wg], layout=_ROWS),
+      _kv_step, q0=q0, ring0=ring0, lse=plgpu.load(refs.lse_smem.at[wg], layout=_ROWS),
       delta=plgpu.load(refs.delta_smem.at[wg], layout=_ROWS), k_s=k_s, v_s=v_s, refs=refs,
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
-  blocks = masking.kv_block_range(q0, cfg.block_q, dims.seq_kv, cfg.block_kv, opts.is_causal)
+  own = masking.kv_block_range(opts.mask, q0, cfg.block_q, dims.seq_kv, cfg.block_kv)
+  if opts.mask.banded:
+    own = own.within(cta)
+  release = functools.partial(_release_step, ring0=ring0, k_s=k_s, v_s=v_s,
+                              num_stages=cfg.num_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
-  dq = lax.fori_loop(0, blocks.n_full, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(blocks.n_full, blocks.n_visit, functools.partial(step, masked=True), dq)
-  lax.fori_loop(blocks.n_visit, cta_blocks, functools.partial(
-      _release_step, k_s=k_s, v_s=v_s, num_stages=cfg.num_stages), None)
+  lax.fori_loop(cta.first, own.first, release, None)
+  for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
+                         (own.full_hi, own.end, True)):
+    dq = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), dq)
+  lax.fori_loop(own.end, cta.end, release, None)
 
   q_smem = refs.q_smem.at[wg]  # Q is no longer read: dQ leaves through it.
   q_smem[...] = (dq * opts.scale).astype(dims.dtype)
@@ -147,18 +154,17 @@ def _entry(q, k, v, do, lse, delta, dq, *, dims: common.Dims, opts):
     tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
                  row0=lax.axis_index("q_tile") * wgs * cfg.block_q)
     kv_head = tile.head // dims.group
-    rows = lambda step: pl.ds(step * cfg.block_kv, cfg.block_kv)
+    cta = masking.kv_block_range(opts.mask, tile.row0, wgs * cfg.block_q, dims.seq_kv,
+                                 cfg.block_kv)
+    rows = lambda step: pl.ds((cta.first + step) * cfg.block_kv, cfg.block_kv)
     streams = (
         pipeline.Stream(lambda step: k.at[tile.batch, rows(step), kv_head], k_ring, k_ready,
                         k_consumed),
         pipeline.Stream(lambda step: v.at[tile.batch, rows(step), kv_head], v_ring, v_ready,
                         v_consumed))
-    cta_blocks = masking.kv_block_range(tile.row0, wgs * cfg.block_q, dims.seq_kv,
-                                        cfg.block_kv, opts.is_causal).n_visit
     common.specialize(
-        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta_blocks, dims,
-                                      opts),
-        lambda: common.producer(streams, cta_blocks, stages))
+        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, dims, opts),
+        lambda: common.producer(streams, cta.end - cta.first, stages))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 

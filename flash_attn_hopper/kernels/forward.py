@@ -9,7 +9,7 @@ each compute warpgroup runs:
                m = −inf, l = 0, O = 0
     kv_loop    for each visited KV block (masking.kv_block_range):
                  S = Q Kᵀ                      wgmma into a fresh accumulator
-                 mask S                        boundary blocks only
+                 mask S                        edge blocks of the band only
                  m, l, P, α = softmax.update   base 2, scale folded into the exponent
                  O = α·O + P V                 P from registers; O re-enters the tensor cores
     epilogue   O / l and the LSE through shared memory and TMA
@@ -45,13 +45,17 @@ class ForwardOptions:
   """Static options of one forward call (hashable: part of the jit cache key)."""
 
   scale: float
-  is_causal: bool
+  mask: masking.MaskSpec
   config: config_lib.ForwardConfig
   interpret: bool = False
   #: Keys that count when K/V were padded along S (tiny S); None means all of them.
   seq_kv: int | None = None
   #: Upper bound on persistent CTAs; None means one per SM.
   max_ctas: int | None = None
+
+  @property
+  def is_causal(self) -> bool:
+    return self.mask.is_causal
 
 
 class _Refs(NamedTuple):
@@ -69,11 +73,12 @@ class _Refs(NamedTuple):
   p_staging: object  # interpreter only: (compute warpgroups, block_q, block_kv), else None
 
 
-def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, n_visit, q_smem, p_staging,
+def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, end, q_smem, p_staging,
              masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
-  `ring0` is the ring position of the tile's block 0 (the ring runs on across tiles)."""
+  `ring0 + step` is block `step`'s ring position (the ring runs on across tiles); `end` is
+  the end of this warpgroup's blocks."""
   acc, state = carry
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
@@ -86,7 +91,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, n_visit, q_smem,
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.is_causal)
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.mask)
   state, p, alpha = softmax.update(state, s, opts.scale * softmax.LOG2E)
   acc = softmax.rescale(acc, alpha)
   p16 = p.astype(dims.dtype)
@@ -109,7 +114,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, n_visit, q_smem,
 
   def wait_next_k():  # Overlaps the wait for the next K block with PV.
     nxt = step + 1
-    pl.when(nxt < n_visit)(
+    pl.when(nxt < end)(
         lambda: plgpu.barrier_wait(
             bars.k_ready.at[pipeline.slot_of(ring0 + nxt, cfg.num_stages)]))
 
@@ -120,7 +125,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, n_visit, q_smem,
 
 
 def _release_step(step, _, *, bars, opts, ring0):
-  """A block streamed for the other warpgroup only (causal): free its slot, keep the beat."""
+  """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   plgpu.barrier_wait(bars.k_ready.at[slot])
@@ -131,31 +136,41 @@ def _release_step(step, _, *, bars, opts, ring0):
   bars.sync_schedule()
 
 
+def _kv_blocks(q0, rows: int, dims: common.Dims, opts: ForwardOptions) -> masking.BlockRange:
+  return masking.kv_block_range(opts.mask, q0, rows, dims.seq_kv, opts.config.block_kv)
+
+
 def _cta_kv_blocks(tile: scheduler.Tile, dims: common.Dims, opts: ForwardOptions):
-  """KV blocks the producer streams for a tile: those of its last rows, the most."""
-  cfg = opts.config
-  return masking.kv_block_range(tile.row0, cfg.rows_per_cta, dims.seq_kv, cfg.block_kv,
-                                opts.is_causal).n_visit
+  """KV blocks the producer streams for a tile: every block either warpgroup visits."""
+  return _kv_blocks(tile.row0, opts.config.rows_per_cta, dims, opts)
 
 
 def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers, dims, opts):
-  """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state."""
+  """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state.
+
+  The CTA streams blocks [cta.first, cta.end); this warpgroup computes on its own part of
+  them and releases the rest, so that both warpgroups keep the same beat on the ring."""
   cfg = opts.config
   q0 = tile.row0 + wg * cfg.block_q
-  blocks = masking.kv_block_range(q0, cfg.block_q, dims.seq_kv, cfg.block_kv, opts.is_causal)
+  cta = _cta_kv_blocks(tile, dims, opts)
+  own = _kv_blocks(q0, cfg.block_q, dims, opts)
+  if opts.mask.banded:
+    own = own.within(cta)
+  ring0 = ring0 - cta.first  # Ring position of block 0.
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, q0=q0,
-                           ring0=ring0, n_visit=blocks.n_visit, q_smem=refs.q_smem.at[wg],
+                           ring0=ring0, end=own.end, q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
+  release = functools.partial(_release_step, bars=bars, opts=opts, ring0=ring0)
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
-  # Every tile visits at least one block.
-  plgpu.barrier_wait(bars.k_ready.at[pipeline.slot_of(ring0, cfg.num_stages)])
-  carry = lax.fori_loop(0, blocks.n_full, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(blocks.n_full, blocks.n_visit, functools.partial(step, masked=True),
-                        carry)
-  lax.fori_loop(blocks.n_visit, _cta_kv_blocks(tile, dims, opts),
-                functools.partial(_release_step, bars=bars, opts=opts, ring0=ring0), None)
+  lax.fori_loop(cta.first, own.first, release, None)
+  pl.when(own.end > own.first)(lambda: plgpu.barrier_wait(
+      bars.k_ready.at[pipeline.slot_of(ring0 + own.first, cfg.num_stages)]))
+  for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
+                         (own.full_hi, own.end, True)):
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+  lax.fori_loop(own.end, cta.end, release, None)
   return carry
 
 
@@ -188,7 +203,8 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     if not separate_o:  # O went out through Q's buffer: wait until TMA has read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_next_q()
-    return ring0 + _cta_kv_blocks(tile, dims, opts)
+    streamed = _cta_kv_blocks(tile, dims, opts)
+    return ring0 + streamed.end - streamed.first
 
   lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
   pl.when(wg == 0)(bars.sync_schedule)    # Match warpgroup 1's extra phase.
@@ -217,11 +233,12 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   def tile_body(i, ring0):
     tile = sched.tile(cta, i)
     kv_head = tile.head // group  # GQA: no repeated K/V.
-    rows = lambda step: pl.ds(step * cfg.block_kv, cfg.block_kv)
+    blocks = _cta_kv_blocks(tile, dims, opts)
+    rows = lambda step: pl.ds((blocks.first + step) * cfg.block_kv, cfg.block_kv)
     streams = bars.kv_streams(lambda step: refs.k.at[tile.batch, rows(step), kv_head],
                               lambda step: refs.v.at[tile.batch, rows(step), kv_head],
                               refs.k_smem, refs.v_smem)
-    num_steps = _cta_kv_blocks(tile, dims, opts)
+    num_steps = blocks.end - blocks.first
     pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
     return ring0 + num_steps
 
@@ -276,9 +293,10 @@ def attention_forward(q, k, v, opts: ForwardOptions):
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   num_tiles = pl.cdiv(t, cfg.rows_per_cta)
+  # Tile costs grow along T when the band is unbounded on the left (causal): pair them.
   sched = scheduler.make(num_tiles, n, b, cfg.rows_per_cta,
                          max_ctas=opts.max_ctas or hardware.num_sms(),
-                         paired=opts.is_causal)
+                         paired=opts.mask.upper is not None and opts.mask.left is None)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
   return common.launch(

@@ -1,0 +1,84 @@
+"""The block ranges of `masking` against a brute-force look at every (query, key) pair."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from flash_attn_hopper import masking
+
+windows = st.one_of(st.none(), st.integers(0, 300))
+
+
+@st.composite
+def specs(draw):
+  return masking.MaskSpec(is_causal=draw(st.booleans()), left=draw(windows),
+                          right=draw(windows), offset=draw(st.integers(-400, 400)))
+
+
+def _visible(spec, q_ids, k_ids, seq_kv):
+  band = spec.visible(q_ids[:, None], k_ids[None, :])
+  keys = np.broadcast_to(k_ids[None, :] < seq_kv, (len(q_ids), len(k_ids)))
+  return np.array(keys if band is None else np.asarray(band) & keys)
+
+
+def _as_ints(r):
+  return masking.BlockRange(*(int(x) for x in r))
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=specs(), q0=st.integers(0, 600), rows=st.sampled_from([64, 128]),
+       seq_kv=st.integers(1, 700), block_kv=st.sampled_from([64, 128]))
+def test_kv_block_range_visits_exactly_the_visible_blocks(spec, q0, rows, seq_kv, block_kv):
+  r = _as_ints(masking.kv_block_range(spec, q0, rows, seq_kv, block_kv))
+  num_blocks = -(-seq_kv // block_kv)
+  vis = _visible(spec, np.arange(q0, q0 + rows), np.arange(num_blocks * block_kv), seq_kv)
+  per_block = vis.reshape(rows, num_blocks, block_kv)
+  any_visible = per_block.any(axis=(0, 2))
+  all_visible = per_block.all(axis=(0, 2))
+  assert r.first <= r.full_lo <= r.full_hi <= r.end
+  visited = np.zeros(num_blocks, bool)
+  visited[r.first:r.end] = True
+  assert not np.any(any_visible & ~visited), "a block with a visible key is skipped"
+  if any_visible.any():  # The range is tight: its end blocks hold visible keys.
+    assert any_visible[r.first] and any_visible[r.end - 1]
+  else:
+    assert r.first == r.end
+  assert np.all(all_visible[r.full_lo:r.full_hi]), "an unmasked block hides a masked key"
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=specs(), k0=st.integers(0, 600), seq_q=st.integers(1, 700),
+       block_q=st.sampled_from([64, 128]))
+def test_q_block_range_visits_every_query_block_that_sees_the_keys(spec, k0, seq_q, block_q):
+  keys = 128
+  r = _as_ints(masking.q_block_range(spec, k0, keys, seq_q, block_q))
+  num_blocks = -(-seq_q // block_q)
+  vis = _visible(spec, np.arange(num_blocks * block_q), np.arange(k0, k0 + keys), 10**6)
+  vis[seq_q:] = False
+  any_visible = vis.reshape(num_blocks, block_q, keys).any(axis=(1, 2))
+  visited = np.zeros(num_blocks, bool)
+  visited[r.first:r.end] = True
+  assert not np.any(any_visible & ~visited)
+  assert r.first <= r.end
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=specs(), row0=st.integers(0, 600), seq_kv=st.integers(1, 700))
+def test_a_warpgroup_range_within_its_cta_range_stays_inside(spec, row0, seq_kv):
+  cta = masking.kv_block_range(spec, row0, 128, seq_kv, 64)
+  for wg in range(2):
+    own = masking.kv_block_range(spec, row0 + 64 * wg, 64, seq_kv, 64)
+    clipped = _as_ints(own.within(cta))
+    c = _as_ints(cta)
+    assert c.first <= clipped.first <= clipped.full_lo <= clipped.full_hi <= clipped.end <= c.end
+    # Clipping drops no visible block: the warpgroup's blocks were inside the CTA's.
+    o = _as_ints(own)
+    if o.end > o.first:
+      assert (clipped.first, clipped.end) == (o.first, o.end)
+
+
+def test_empty_rows():
+  spec = masking.MaskSpec(is_causal=True, offset=-3)  # bottom-right, T = S + 3
+  assert masking.empty_rows(spec, 5, 2).tolist() == [True, True, True, False, False]
+  assert not masking.empty_rows(masking.MaskSpec(), 5, 2).any()

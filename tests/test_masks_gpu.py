@@ -1,0 +1,39 @@
+"""Windows and the bottom-right alignment on an H200, forward and backward, at full size."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import flash_attn_hopper as fah
+from flash_attn_hopper import testing
+from flash_attn_hopper import workloads
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    # (T, S, D, is_causal, local_window_size, causal_alignment)
+    (4096, 4096, 128, True, (1024, 0), "top_left"),
+    (4096, 4096, 64, False, (300, 200), "top_left"),
+    (2048, 8192, 128, True, None, "bottom_right"),
+    (8192, 1023, 64, True, (100, 0), "bottom_right"),
+    (1023, 4096, 256, True, 513, "bottom_right"),
+]
+
+
+@pytest.mark.parametrize("t, s, d, is_causal, window, alignment", CASES)
+def test_masks_forward_and_gradients(rng, t, s, d, is_causal, window, alignment):
+  w = workloads.Workload("masks", batch=1, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
+                         head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  kw = dict(is_causal=is_causal, local_window_size=window, causal_alignment=alignment)
+  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
+                                                   **kw)
+  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
+  out, lse = jax.jit(lambda q, k, v: fah.dot_product_attention(
+      q, k, v, implementation="flash_attn_hopper", return_residual=True, **kw))(q, k, v)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
