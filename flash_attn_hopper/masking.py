@@ -139,11 +139,13 @@ def q_block_range(spec: MaskSpec, k0, keys: int, seq_q: int, block_q: int) -> Bl
 
 
 def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int) -> np.ndarray:
-  """(seq_q,) bool, on the host: the queries that see no key at all."""
-  if not spec.banded:
-    return np.full((seq_q,), seq_kv == 0)
-  visible = spec.visible(np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :])
-  return ~np.any(visible, axis=1)
+  """(seq_q,) bool, on the host, in O(T): the queries that see no key at all."""
+  diag = np.arange(seq_q, dtype=np.int64) + spec.offset
+  lo = np.zeros_like(diag) if spec.left is None else np.maximum(diag - spec.left, 0)
+  hi = np.full_like(diag, seq_kv - 1)
+  if spec.upper is not None:
+    hi = np.minimum(diag + spec.upper, seq_kv - 1)
+  return hi < lo
 
 
 def apply_element_mask(s, q0, k0, seq_kv: int | None, spec: MaskSpec, *, key_axis: int = 1):

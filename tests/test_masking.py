@@ -82,3 +82,10 @@ def test_empty_rows():
   spec = masking.MaskSpec(is_causal=True, offset=-3)  # bottom-right, T = S + 3
   assert masking.empty_rows(spec, 5, 2).tolist() == [True, True, True, False, False]
   assert not masking.empty_rows(masking.MaskSpec(), 5, 2).any()
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=specs(), seq_q=st.integers(1, 300), seq_kv=st.integers(1, 300))
+def test_empty_rows_match_brute_force(spec, seq_q, seq_kv):
+  vis = _visible(spec, np.arange(seq_q), np.arange(seq_kv), seq_kv)
+  np.testing.assert_array_equal(masking.empty_rows(spec, seq_q, seq_kv), ~vis.any(axis=1))
