@@ -90,7 +90,10 @@ class BlockRange(NamedTuple):
     """This range clipped to `outer` (a warpgroup's part of its CTA's). A range is empty
     where a warpgroup's rows see no key, and an empty range's `first` may lie past the
     CTA's `end`: a kernel that released [outer.first, first) would wait for a block that
-    was never streamed."""
+    was never streamed. Without a left edge every range starts at block 0 and ends within
+    its CTA's, so there is nothing to clip."""
+    if isinstance(self.first, int) and isinstance(outer.first, int):
+      return self
     first = jnp.clip(self.first, outer.first, outer.end)
     end = jnp.clip(self.end, first, outer.end)
     full_lo = jnp.clip(self.full_lo, first, end)
@@ -117,7 +120,9 @@ def kv_block_range(spec: MaskSpec, q0, rows: int, seq_kv: int, block_kv: int) ->
     full_hi_key = jnp.clip(q0 + spec.offset + spec.upper + 1, 0, seq_kv)
   first = lo // block_kv
   end = jnp.where(hi > lo, _cdiv(hi, block_kv), first)
-  full_lo = jnp.clip(_cdiv(full_lo_key, block_kv), first, end)
+  # No left edge (causal): the range starts at block 0, statically, so the kernels emit no
+  # loop for a leading edge.
+  full_lo = 0 if spec.left is None else jnp.clip(_cdiv(full_lo_key, block_kv), first, end)
   full_hi = jnp.clip(full_hi_key // block_kv, full_lo, end)
   return BlockRange(first, full_lo, full_hi, end)
 

@@ -78,6 +78,14 @@ def matmul(a_smem, b_smem, shape):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def fori(lo, hi, body, carry):
+  """`lax.fori_loop`, or nothing when the bounds are equal Python ints, so that a kernel emits
+  no loop for a part of a block range that a mask makes statically empty."""
+  if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+    return carry
+  return lax.fori_loop(lo, hi, body, carry)
+
+
 def producer(streams, num_steps, num_stages: int):
   """A producer warpgroup that streams one tile's blocks and exits."""
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")

@@ -112,16 +112,15 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, d
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
   own = masking.kv_block_range(opts.mask, q0, cfg.block_q, dims.seq_kv, cfg.block_kv)
-  if opts.mask.banded:
-    own = own.within(cta)
+  own = own.within(cta)
   release = functools.partial(_release_step, ring0=ring0, k_s=k_s, v_s=v_s,
                               num_stages=cfg.num_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
-  lax.fori_loop(cta.first, own.first, release, None)
+  common.fori(cta.first, own.first, release, None)
   for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
                          (own.full_hi, own.end, True)):
-    dq = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), dq)
-  lax.fori_loop(own.end, cta.end, release, None)
+    dq = common.fori(lo, hi, functools.partial(step, masked=masked), dq)
+  common.fori(own.end, cta.end, release, None)
 
   q_smem = refs.q_smem.at[wg]  # Q is no longer read: dQ leaves through it.
   q_smem[...] = (dq * opts.scale).astype(dims.dtype)

@@ -154,8 +154,7 @@ def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barrier
   q0 = tile.row0 + wg * cfg.block_q
   cta = _cta_kv_blocks(tile, dims, opts)
   own = _kv_blocks(q0, cfg.block_q, dims, opts)
-  if opts.mask.banded:
-    own = own.within(cta)
+  own = own.within(cta)
   ring0 = ring0 - cta.first  # Ring position of block 0.
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, q0=q0,
                            ring0=ring0, end=own.end, q_smem=refs.q_smem.at[wg],
@@ -164,13 +163,13 @@ def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barrier
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
-  lax.fori_loop(cta.first, own.first, release, None)
+  common.fori(cta.first, own.first, release, None)
   pl.when(own.end > own.first)(lambda: plgpu.barrier_wait(
       bars.k_ready.at[pipeline.slot_of(ring0 + own.first, cfg.num_stages)]))
   for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
                          (own.full_hi, own.end, True)):
-    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
-  lax.fori_loop(own.end, cta.end, release, None)
+    carry = common.fori(lo, hi, functools.partial(step, masked=masked), carry)
+  common.fori(own.end, cta.end, release, None)
   return carry
 
 
