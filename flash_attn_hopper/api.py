@@ -129,7 +129,7 @@ def mask_spec(t: int, s: int, *, is_causal, local_window_size,
                           offset=s - t if causal_alignment == "bottom_right" else 0)
 
 
-def _kernel_attention(q, k, v, *, scale, spec, config, interpret):
+def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None):
   """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
 
   Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
@@ -138,21 +138,39 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret):
   cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config)
   opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
                                        interpret=bool(interpret), seq_kv=s,
-                                       max_ctas=INTERPRET_CTAS if interpret else None)
+                                       max_ctas=INTERPRET_CTAS if interpret else None,
+                                       kv_lens=kv_lens is not None)
   out, lse = autodiff.attention(_pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv),
-                                _pad_seq(v, cfg.block_kv), opts)
+                                _pad_seq(v, cfg.block_kv), kv_lens, opts)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
-def _as_jax_nn_for_empty_rows(out, v, empty: np.ndarray):
+def _as_jax_nn_for_empty_rows(out, v, empty):
   """jax.nn masks logits with a large finite negative, so a query that sees no key gets the
-  mean of V over all keys. The kernel returns 0 there; this puts jax.nn's rows in."""
-  if not empty.any():
+  mean of V over all keys. The kernel returns 0 there; this puts jax.nn's rows in.
+
+  `empty`: (T,) numpy (static masks) or (B, T) jax (with key lengths) bool."""
+  if isinstance(empty, np.ndarray) and not empty.any():
     return out
-  b, t, n, h = out.shape
+  n = out.shape[2]
   mean_v = jnp.mean(v.astype(jnp.float32), axis=1)                  # (B, K, H)
   mean_v = jnp.repeat(mean_v, n // v.shape[2], axis=1).astype(out.dtype)  # (B, N, H)
-  return jnp.where(jnp.asarray(empty)[None, :, None, None], mean_v[:, None], out)
+  empty = jnp.asarray(empty)
+  empty = empty[None] if empty.ndim == 1 else empty
+  return jnp.where(empty[:, :, None, None], mean_v[:, None], out)
+
+
+def _lengths(name: str, lengths, batch: int):
+  """A `jax.nn` sequence-lengths argument as (B,) int32, checked, or None."""
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array; got dtype {lengths.dtype}")
+  if lengths.shape not in ((batch,), ()) and not (batch == 1 and lengths.shape == (1,)):
+    raise ValueError(f"{name} must have shape ({batch},) (one length per batch element); "
+                     f"got {lengths.shape}")
+  return jnp.broadcast_to(lengths.astype(jnp.int32), (batch,))
 
 
 def _band_as_mask(spec: masking.MaskSpec, t: int, s: int, mask):
@@ -171,9 +189,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     query: (B, T, N, H) or (T, N, H).
     key, value: (B, S, K, H) or (S, K, H); N must be a multiple of K (GQA; K = 1 is MQA).
       K/V are never repeated in memory.
-    bias, mask, query_seq_lengths, key_value_seq_lengths: as in `jax.nn`. The kernel does
-      not support them yet: with the kernel they raise NotImplementedError; with
-      implementation='xla' or 'cudnn' they go to `jax.nn`.
+    bias, mask: as in `jax.nn`. The kernel does not support them yet: with the kernel they
+      raise NotImplementedError; with implementation='xla' or 'cudnn' they go to `jax.nn`.
+    query_seq_lengths, key_value_seq_lengths: (B,) int32, as in `jax.nn` (padding). Keys
+      past a batch element's length are masked and their blocks skipped; output rows past a
+      query's length are zero.
     local_window_size: as in `jax.nn`: an int w or a pair (left, right); query i sees keys
       [i − left, i + right] (shifted by S − T with bottom-right alignment). KV blocks outside
       the band are skipped, so the cost follows the window, not S.
@@ -210,8 +230,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   t, s = query.shape[-3], key.shape[-3]
   spec = mask_spec(t, s, is_causal=is_causal, local_window_size=local_window_size,
                    causal_alignment=causal_alignment)
-  masks = dict(bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
-               key_value_seq_lengths=key_value_seq_lengths)
+  masks = dict(bias=bias, mask=mask)
+  lengths = dict(query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths)
 
   use_kernel = interpret or implementation == KERNEL or (implementation is None and on_hopper())
   if not use_kernel:
@@ -221,7 +242,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       masks["mask"] = _band_as_mask(spec, t, s, mask)
       is_causal, local_window_size = False, None
     return jax.nn.dot_product_attention(
-        query, key, value, **masks, scale=scale, is_causal=is_causal,
+        query, key, value, **masks, **lengths, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, implementation=implementation or "xla",
         return_residual=return_residual)
   if not interpret and not on_hopper():
@@ -235,9 +256,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if squeeze:
     query, key, value = query[None], key[None], value[None]
   scale = 1.0 / np.sqrt(query.shape[-1]) if scale is None else scale
+  batch = query.shape[0]
+  q_lens = _lengths("query_seq_lengths", query_seq_lengths, batch)
+  kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
-                               interpret=interpret)
-  out = _as_jax_nn_for_empty_rows(out, value, masking.empty_rows(spec, t, s))
+                               interpret=interpret, kv_lens=kv_lens)
+  out = _as_jax_nn_for_empty_rows(out, value, masking.empty_rows(spec, t, s, kv_lens))
+  if q_lens is not None:  # As jax.nn: rows past a query's length are zero.
+    out = jnp.where((jnp.arange(t)[None, :] < q_lens[:, None])[:, :, None, None], out, 0)
   if squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out

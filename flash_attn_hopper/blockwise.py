@@ -29,7 +29,7 @@ BLOCK_KV = 256
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
-                       seq_kv: int | None = None, block_kv: int = BLOCK_KV):
+                       seq_kv: int | None = None, kv_lens=None, block_kv: int = BLOCK_KV):
   """Gradients of attention with respect to q, k and v, from the forward's residuals.
 
   Args:
@@ -37,6 +37,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     lse: (B, N, ≥T) float32, natural log (the forward kernel's LSE; entries past T unused).
     scale: the logits' scale. mask: the visible band (causal, window, alignment).
     seq_kv: keys at or past it are masked (K/V were padded); None: all keys count.
+    kv_lens: None, or (B,) int32 keys per batch element (`key_value_seq_lengths`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (q, k, v).
@@ -56,13 +57,16 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
   blocks = lambda x: jnp.moveaxis(
       jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, num_blocks, block_kv,
                                                              kv_heads, d), 1, 0)
+  # Keys per batch element, broadcast against (B, K, G, T, block) logits.
+  limit = seq_kv if kv_lens is None else jnp.minimum(kv_lens, seq_kv)[:, None, None, None,
+                                                                       None]
   rows = lax.broadcasted_iota(jnp.int32, (t, block_kv), 0)
   cols = lax.broadcasted_iota(jnp.int32, (t, block_kv), 1)
 
   def step(dq, xs):
     j, kj, vj = xs
     keys = j * block_kv + cols
-    visible = keys < seq_kv
+    visible = keys < limit
     band = mask.visible(rows, keys)
     if band is not None:
       visible = visible & band

@@ -143,14 +143,15 @@ def q_block_range(spec: MaskSpec, k0, keys: int, seq_q: int, block_q: int) -> Bl
   return BlockRange(first, first, first, end)
 
 
-def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int) -> np.ndarray:
-  """(seq_q,) bool, on the host, in O(T): the queries that see no key at all."""
-  diag = np.arange(seq_q, dtype=np.int64) + spec.offset
-  lo = np.zeros_like(diag) if spec.left is None else np.maximum(diag - spec.left, 0)
-  hi = np.full_like(diag, seq_kv - 1)
-  if spec.upper is not None:
-    hi = np.minimum(diag + spec.upper, seq_kv - 1)
-  return hi < lo
+def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int, kv_lens=None):
+  """The queries that see no key at all, in O(T): a (T,) numpy bool array, or with `kv_lens`
+  ((B,) keys per batch element, traced) a (B, T) jax array."""
+  xp = np if kv_lens is None else jnp
+  diag = xp.arange(seq_q) + spec.offset
+  last = seq_kv - 1 if kv_lens is None else jnp.minimum(kv_lens, seq_kv)[:, None] - 1
+  lo = xp.zeros_like(diag) if spec.left is None else xp.maximum(diag - spec.left, 0)
+  hi = last if spec.upper is None else xp.minimum(diag + spec.upper, last)
+  return xp.broadcast_to(hi < lo, np.shape(hi < lo))
 
 
 def apply_element_mask(s, q0, k0, seq_kv: int | None, spec: MaskSpec, *, key_axis: int = 1):

@@ -88,3 +88,13 @@ def test_head_dim_256_gradients_come_from_the_blockwise_backward(rng, monkeypatc
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
   grads = _grads(q, k, v, dout, is_causal=True)
   testing.check_gradients(grads, q, k, v, dout, is_causal=True)
+
+
+def test_head_dim_256_gradients_with_key_lengths(rng):
+  w = workloads.Workload("gqa_70x150_d256", batch=2, seq_q=70, seq_kv=150, num_q_heads=4,
+                         num_kv_heads=2, head_dim=256)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  kv_lens = jnp.array([100, 150], jnp.int32)
+  grads = _grads(q, k, v, dout, key_value_seq_lengths=kv_lens)
+  testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens)

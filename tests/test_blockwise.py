@@ -52,3 +52,16 @@ def test_keys_past_seq_kv_are_masked_and_get_zero_gradients(rng):
   testing.check_gradients((dq, dk[:, :150], dv[:, :150]), q, k[:, :150], v[:, :150], dout,
                           scale=0.1)
   assert bool(jnp.all(dk[:, 150:] == 0)) and bool(jnp.all(dv[:, 150:] == 0))
+
+
+def test_key_lengths_per_batch_element(rng):
+  w = SHAPES[1]  # two batch elements, GQA, D 256
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  kv_lens = jnp.array([30, 77], jnp.int32)
+  out, lse = reference.attention_reference(q, k, v, key_value_seq_lengths=kv_lens, scale=0.1,
+                                           return_residual=True)
+  grads = blockwise.attention_backward(q, k, v, out.astype(q.dtype), jnp.swapaxes(lse, 1, 2),
+                                       dout, scale=0.1, mask=masking.MaskSpec(),
+                                       kv_lens=kv_lens, block_kv=64)
+  testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens, scale=0.1)

@@ -39,3 +39,20 @@ def test_forward_and_gradients_match_reference(rng, t, s, is_causal, window, ali
   f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
   grads = jax.vjp(f, q, k, v)[1](dout)
   testing.check_gradients(grads, q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("is_causal, window", [(False, None), (True, (40, 0))])
+def test_sequence_lengths_match_reference(rng, is_causal, window):
+  # Three batch elements: a short one, one with no keys at all, one at full length.
+  w = workloads.Workload("lens", batch=3, seq_q=150, seq_kv=200, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "float16")
+  kw = dict(is_causal=is_causal, local_window_size=window,
+            query_seq_lengths=jnp.array([70, 150, 1], jnp.int32),
+            key_value_seq_lengths=jnp.array([90, 0, 200], jnp.int32))
+  out = fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
+  testing.check_attention(out, q, k, v, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
+  f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
+  grads = jax.vjp(f, q, k, v)[1](dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)

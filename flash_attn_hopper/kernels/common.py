@@ -51,10 +51,20 @@ class BackwardOptions:
   interpret: bool = False
   #: Keys that count when K/V were padded along S; None means all of them.
   seq_kv: int | None = None
+  #: Whether a (B,) int32 array of keys per batch element comes with K/V.
+  kv_lens: bool = False
 
   @property
   def is_causal(self) -> bool:
     return self.mask.is_causal
+
+
+def keys_of(batch, kv_lens_ref, dims: Dims):
+  """The keys batch element `batch` attends to: its `key_value_seq_lengths` entry (read from
+  global memory, capped at S), or all of them (a static int) without lengths."""
+  if kv_lens_ref is None:
+    return dims.seq_kv
+  return jnp.clip(kv_lens_ref[batch], 0, dims.seq_kv)
 
 
 def smem_tile(shape, dtype):

@@ -62,15 +62,21 @@ class _Tile(NamedTuple):
   key0: jax.Array     # the CTA's first key
   q_block0: jax.Array  # the first query block that sees any of its keys
   steps_per_head: jax.Array
+  seq_kv: jax.Array | int  # the batch element's keys (`key_value_seq_lengths`)
 
 
-def _tile(dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
+def _tile(kv_lens, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
   cfg = opts.config
   keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
   key0 = lax.axis_index("kv_tile") * keys
   blocks = masking.q_block_range(opts.mask, key0, keys, dims.seq_q, cfg.block_q)
-  return _Tile(batch=lax.axis_index("batch"), kv_head=lax.axis_index("kv_head"), key0=key0,
-               q_block0=jnp.int32(blocks.first), steps_per_head=blocks.end - blocks.first)
+  batch = lax.axis_index("batch")
+  seq_kv = common.keys_of(batch, kv_lens, dims)
+  steps = blocks.end - blocks.first
+  if kv_lens is not None:  # A tile past the batch element's keys runs no step: dK = dV = 0.
+    steps = jnp.where(key0 < seq_kv, steps, 0)
+  return _Tile(batch=batch, kv_head=lax.axis_index("kv_head"), key0=key0,
+               q_block0=jnp.int32(blocks.first), steps_per_head=steps, seq_kv=seq_kv)
 
 
 def _step_rows(step, tile: _Tile, dims, cfg):
@@ -93,10 +99,11 @@ def _q_step(step, carry, *, wg, tile, refs: _Refs, streams, dims, opts):
   staging = None if refs.staging is None else refs.staging.at[wg]
 
   st = common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
-  if opts.mask.banded:  # Every step: a step's queries may straddle either edge of the band.
+  if opts.mask.banded or opts.kv_lens:  # Every step: queries may straddle the band's edges.
     _, q0 = _step_rows(step, tile, dims, cfg)
     key0 = tile.key0 + wg * cfg.block_kv
-    st = masking.apply_element_mask(st, q0, key0, None, opts.mask, key_axis=0)
+    seq_kv = tile.seq_kv if opts.kv_lens else None
+    st = masking.apply_element_mask(st, q0, key0, seq_kv, opts.mask, key_axis=0)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=_COLUMNS)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=_COLUMNS)
   plgpu.barrier_arrive(lse_s.consumed.at[slot])
@@ -156,7 +163,8 @@ def _streams(tile: _Tile, refs: _Refs, barriers, dims, cfg) -> tuple:
                for src, ring, (ready, consumed) in zip(srcs, rings, barriers))
 
 
-def _entry(q, k, v, do, lse, delta, dk, dv, *, dims: common.Dims, opts):
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+  kv_lens, dk, dv = rest if opts.kv_lens else (None, *rest)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -177,7 +185,7 @@ def _entry(q, k, v, do, lse, delta, dk, dv, *, dims: common.Dims, opts):
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
                  delta_ring, rest[0] if staging else None)
     tile_ready, *ring_barriers = rest[len(staging):]
-    tile = _tile(dims, opts)
+    tile = _tile(kv_lens, dims, opts)
     streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
                        cfg)
     num_steps = dims.group * tile.steps_per_head
@@ -188,7 +196,7 @@ def _entry(q, k, v, do, lse, delta, dk, dv, *, dims: common.Dims, opts):
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
 
-def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
+def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None):
   """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
@@ -196,6 +204,7 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      out_type=out_type, grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
+      *((kv_lens,) if opts.kv_lens else ()), out_type=out_type,
+      grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
       grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)

@@ -55,7 +55,7 @@ class _Tile(NamedTuple):
   row0: jax.Array
 
 
-def _kv_step(step, carry, *, q0, ring0, lse, delta, k_s, v_s, refs: _Refs, staging, q_smem,
+def _kv_step(step, carry, *, q0, seq_kv, ring0, lse, delta, k_s, v_s, refs: _Refs, staging, q_smem,
              do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
   cfg = opts.config
@@ -63,7 +63,7 @@ def _kv_step(step, carry, *, q0, ring0, lse, delta, k_s, v_s, refs: _Refs, stagi
   plgpu.barrier_wait(k_s.ready.at[slot])
   s = common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
   if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.mask)
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask)
   p = softmax.recompute(s, lse, opts.scale * softmax.LOG2E)
   plgpu.barrier_wait(v_s.ready.at[slot])
   dp = common.matmul(do_smem, refs.v_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
@@ -98,7 +98,8 @@ def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, block_q: int):
   return q0
 
 
-def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, dims, opts):
+def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, seq_kv, dims,
+                       opts):
   """One warpgroup's queries: its own blocks of the CTA's [cta.first, cta.end), the others
   released (as in the forward)."""
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
@@ -107,12 +108,11 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, d
   k_s, v_s = streams
   ring0 = -cta.first
   step = functools.partial(
-      _kv_step, q0=q0, ring0=ring0, lse=plgpu.load(refs.lse_smem.at[wg], layout=_ROWS),
+      _kv_step, q0=q0, seq_kv=seq_kv, ring0=ring0, lse=plgpu.load(refs.lse_smem.at[wg], layout=_ROWS),
       delta=plgpu.load(refs.delta_smem.at[wg], layout=_ROWS), k_s=k_s, v_s=v_s, refs=refs,
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
-  own = masking.kv_block_range(opts.mask, q0, cfg.block_q, dims.seq_kv, cfg.block_kv)
-  own = own.within(cta)
+  own = masking.kv_block_range(opts.mask, q0, cfg.block_q, seq_kv, cfg.block_kv).within(cta)
   release = functools.partial(_release_step, ring0=ring0, k_s=k_s, v_s=v_s,
                               num_stages=cfg.num_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
@@ -129,7 +129,8 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, d
   plgpu.wait_smem_to_gmem(0)
 
 
-def _entry(q, k, v, do, lse, delta, dq, *, dims: common.Dims, opts):
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+  kv_lens, dq = rest if opts.kv_lens else (None, *rest)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -153,8 +154,8 @@ def _entry(q, k, v, do, lse, delta, dq, *, dims: common.Dims, opts):
     tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
                  row0=lax.axis_index("q_tile") * wgs * cfg.block_q)
     kv_head = tile.head // dims.group
-    cta = masking.kv_block_range(opts.mask, tile.row0, wgs * cfg.block_q, dims.seq_kv,
-                                 cfg.block_kv)
+    seq_kv = common.keys_of(tile.batch, kv_lens, dims)
+    cta = masking.kv_block_range(opts.mask, tile.row0, wgs * cfg.block_q, seq_kv, cfg.block_kv)
     rows = lambda step: pl.ds((cta.first + step) * cfg.block_kv, cfg.block_kv)
     streams = (
         pipeline.Stream(lambda step: k.at[tile.batch, rows(step), kv_head], k_ring, k_ready,
@@ -162,19 +163,20 @@ def _entry(q, k, v, do, lse, delta, dq, *, dims: common.Dims, opts):
         pipeline.Stream(lambda step: v.at[tile.batch, rows(step), kv_head], v_ring, v_ready,
                         v_consumed))
     common.specialize(
-        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, dims, opts),
+        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, seq_kv, dims,
+                                      opts),
         lambda: common.producer(streams, cta.end - cta.first, stages))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
 
-def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions):
+def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None):
   """dQ (B, T, N, D) in Q's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   num_q_tiles = pl.cdiv(q.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q)
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      *((kv_lens,) if opts.kv_lens else ()), out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
       name="flash_attn_hopper_dq", interpret=opts.interpret)

@@ -52,6 +52,9 @@ class ForwardOptions:
   seq_kv: int | None = None
   #: Upper bound on persistent CTAs; None means one per SM.
   max_ctas: int | None = None
+  #: Whether a (B,) int32 array of keys per batch element comes with K/V
+  #: (`key_value_seq_lengths`); the keys past it are masked and their blocks skipped.
+  kv_lens: bool = False
 
   @property
   def is_causal(self) -> bool:
@@ -71,10 +74,11 @@ class _Refs(NamedTuple):
   v_smem: object
   lse_smem: object  # (compute warpgroups, block_q) float32
   p_staging: object  # interpreter only: (compute warpgroups, block_q, block_kv), else None
+  kv_lens: object = None  # (B,) int32 in global memory, or None
 
 
-def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, end, q_smem, p_staging,
-             masked):
+def _kv_step(step, carry, *, refs, bars, dims, opts, q0, seq_kv, ring0, end, q_smem,
+             p_staging, masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
   `ring0 + step` is block `step`'s ring position (the ring runs on across tiles); `end` is
@@ -91,7 +95,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, ring0, end, q_smem, p_s
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, dims.seq_kv, opts.mask)
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask)
   state, p, alpha = softmax.update(state, s, opts.scale * softmax.LOG2E)
   acc = softmax.rescale(acc, alpha)
   p16 = p.astype(dims.dtype)
@@ -136,13 +140,14 @@ def _release_step(step, _, *, bars, opts, ring0):
   bars.sync_schedule()
 
 
-def _kv_blocks(q0, rows: int, dims: common.Dims, opts: ForwardOptions) -> masking.BlockRange:
-  return masking.kv_block_range(opts.mask, q0, rows, dims.seq_kv, opts.config.block_kv)
+def _kv_blocks(q0, rows: int, seq_kv, opts: ForwardOptions) -> masking.BlockRange:
+  return masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.block_kv)
 
 
-def _cta_kv_blocks(tile: scheduler.Tile, dims: common.Dims, opts: ForwardOptions):
+def _cta_kv_blocks(tile: scheduler.Tile, refs: _Refs, dims: common.Dims, opts: ForwardOptions):
   """KV blocks the producer streams for a tile: every block either warpgroup visits."""
-  return _kv_blocks(tile.row0, opts.config.rows_per_cta, dims, opts)
+  seq_kv = common.keys_of(tile.batch, refs.kv_lens, dims)
+  return _kv_blocks(tile.row0, opts.config.rows_per_cta, seq_kv, opts)
 
 
 def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers, dims, opts):
@@ -152,12 +157,12 @@ def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barrier
   them and releases the rest, so that both warpgroups keep the same beat on the ring."""
   cfg = opts.config
   q0 = tile.row0 + wg * cfg.block_q
-  cta = _cta_kv_blocks(tile, dims, opts)
-  own = _kv_blocks(q0, cfg.block_q, dims, opts)
-  own = own.within(cta)
+  seq_kv = common.keys_of(tile.batch, refs.kv_lens, dims)
+  cta = _cta_kv_blocks(tile, refs, dims, opts)
+  own = _kv_blocks(q0, cfg.block_q, seq_kv, opts).within(cta)
   ring0 = ring0 - cta.first  # Ring position of block 0.
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, q0=q0,
-                           ring0=ring0, end=own.end, q_smem=refs.q_smem.at[wg],
+                           seq_kv=seq_kv, ring0=ring0, end=own.end, q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
   release = functools.partial(_release_step, bars=bars, opts=opts, ring0=ring0)
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
@@ -202,7 +207,7 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     if not separate_o:  # O went out through Q's buffer: wait until TMA has read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_next_q()
-    streamed = _cta_kv_blocks(tile, dims, opts)
+    streamed = _cta_kv_blocks(tile, refs, dims, opts)
     return ring0 + streamed.end - streamed.first
 
   lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
@@ -232,7 +237,7 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   def tile_body(i, ring0):
     tile = sched.tile(cta, i)
     kv_head = tile.head // group  # GQA: no repeated K/V.
-    blocks = _cta_kv_blocks(tile, dims, opts)
+    blocks = _cta_kv_blocks(tile, refs, dims, opts)
     rows = lambda step: pl.ds((blocks.first + step) * cfg.block_kv, cfg.block_kv)
     streams = bars.kv_streams(lambda step: refs.k.at[tile.batch, rows(step), kv_head],
                               lambda step: refs.v.at[tile.batch, rows(step), kv_head],
@@ -250,7 +255,8 @@ def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims,
                     lambda: _producer_warpgroup(refs, bars, sched, dims, opts))
 
 
-def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sched, dims: common.Dims, opts: ForwardOptions):
+def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOptions):
+  kv_lens_ref, o_ref, lse_ref = rest if opts.kv_lens else (None, *rest)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
@@ -269,20 +275,22 @@ def _entry(q_ref, k_ref, v_ref, o_ref, lse_ref, *, sched, dims: common.Dims, opt
     p_staging = rest[0] if staging else None
     barriers = pipeline.Barriers(*rest[len(staging):])
     refs = _Refs(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem,
-                 q_smem if o_smem is None else o_smem, k_smem, v_smem, lse_smem, p_staging)
+                 q_smem if o_smem is None else o_smem, k_smem, v_smem, lse_smem, p_staging,
+                 kv_lens_ref)
     _cta_body(refs, barriers, sched=sched, dims=dims, opts=opts)
 
   pl.run_scoped(scoped, *scratch, *staging, *pipeline.Barriers.types(cfg.num_stages),
                 collective_axes="wg")
 
 
-def attention_forward(q, k, v, opts: ForwardOptions):
+def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None):
   """Runs the kernel on canonical inputs.
 
   Args:
     q: (B, T, N, D) float16/bfloat16, T ≥ the CTA's rows (the api pads tiny T).
     k, v: (B, S, K, D), same dtype, N % K == 0, S ≥ block_kv (the api pads tiny S).
     opts: static options.
+    kv_lens: (B,) int32 keys per batch element, given exactly when `opts.kv_lens`.
 
   Returns:
     out (B, T, N, D) in q's dtype, and the LSE (B, N, T_tiles) in float32 (natural log),
@@ -298,7 +306,8 @@ def attention_forward(q, k, v, opts: ForwardOptions):
                          paired=opts.mask.upper is not None and opts.mask.left is None)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
+  lens = (kv_lens,) if opts.kv_lens else ()
   return common.launch(
-      functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v,
+      functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v, *lens,
       out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
       name="flash_attn_hopper_fwd", interpret=opts.interpret)
