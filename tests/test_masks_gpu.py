@@ -37,3 +37,20 @@ def test_masks_forward_and_gradients(rng, t, s, d, is_causal, window, alignment)
   dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
   grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
   testing.check_gradients(grads, q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_sequence_lengths_forward_and_gradients(rng, d):
+  w = workloads.Workload("lens", batch=4, seq_q=2048, seq_kv=4096, num_q_heads=8,
+                         num_kv_heads=2, head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  kw = dict(is_causal=True, causal_alignment="bottom_right",
+            query_seq_lengths=jnp.array([2048, 1000, 1, 2048], jnp.int32),
+            key_value_seq_lengths=jnp.array([4096, 3001, 0, 130], jnp.int32))
+  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
+                                                   **kw)
+  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
+  testing.check_attention(jax.jit(attn)(q, k, v), q, k, v, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)

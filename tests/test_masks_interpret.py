@@ -56,3 +56,16 @@ def test_sequence_lengths_match_reference(rng, is_causal, window):
   f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
   grads = jax.vjp(f, q, k, v)[1](dout)
   testing.check_gradients(grads, q, k, v, dout, **kw)
+
+
+def test_key_lengths_under_vmap(rng):
+  w = workloads.Workload("lens", batch=2, seq_q=100, seq_kv=130, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  qkv = [testing.random_qkv(rng, w, "bfloat16") for _ in range(2)]
+  q, k, v = (jnp.stack(x) for x in zip(*qkv))
+  lens = jnp.array([[50, 130], [7, 0]], jnp.int32)
+  attn = lambda q, k, v, lens: fah.dot_product_attention(q, k, v, key_value_seq_lengths=lens,
+                                                          interpret=True)
+  out = jax.vmap(attn)(q, k, v, lens)
+  for i in range(2):
+    testing.check_attention(out[i], q[i], k[i], v[i], key_value_seq_lengths=lens[i])
