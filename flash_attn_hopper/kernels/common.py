@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 from jax import lax
@@ -94,6 +95,22 @@ def fori(lo, hi, body, carry):
   if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
     return carry
   return lax.fori_loop(lo, hi, body, carry)
+
+
+def walk_blocks(cta, own, step, release, carry, before_own=None):
+  """One warpgroup's pass over the KV blocks its CTA streams (`masking.BlockRange`s).
+
+  The blocks before its own and after them are `release(j, None)`d, so that both compute
+  warpgroups observe every block of the shared ring; its own run `step(j, carry, masked=...)`,
+  with element masks on the band's edge blocks only. `before_own()` runs once in between."""
+  fori(cta.first, own.first, release, None)
+  if before_own is not None:
+    before_own()
+  for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
+                         (own.full_hi, own.end, True)):
+    carry = fori(lo, hi, functools.partial(step, masked=masked), carry)
+  fori(own.end, cta.end, release, None)
+  return carry
 
 
 def producer(streams, num_steps, num_stages: int):

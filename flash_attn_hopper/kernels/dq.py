@@ -116,11 +116,7 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   release = functools.partial(_release_step, ring0=ring0, k_s=k_s, v_s=v_s,
                               num_stages=cfg.num_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
-  common.fori(cta.first, own.first, release, None)
-  for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
-                         (own.full_hi, own.end, True)):
-    dq = common.fori(lo, hi, functools.partial(step, masked=masked), dq)
-  common.fori(own.end, cta.end, release, None)
+  dq = common.walk_blocks(cta, own, step, release, dq)
 
   q_smem = refs.q_smem.at[wg]  # Q is no longer read: dQ leaves through it.
   q_smem[...] = (dq * opts.scale).astype(dims.dtype)

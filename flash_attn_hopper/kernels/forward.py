@@ -168,14 +168,10 @@ def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barrier
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
-  common.fori(cta.first, own.first, release, None)
-  pl.when(own.end > own.first)(lambda: plgpu.barrier_wait(
-      bars.k_ready.at[pipeline.slot_of(ring0 + own.first, cfg.num_stages)]))
-  for lo, hi, masked in ((own.first, own.full_lo, True), (own.full_lo, own.full_hi, False),
-                         (own.full_hi, own.end, True)):
-    carry = common.fori(lo, hi, functools.partial(step, masked=masked), carry)
-  common.fori(own.end, cta.end, release, None)
-  return carry
+  first_k_ready = functools.partial(  # Each step waits for the next K during its PV.
+      pl.when(own.end > own.first), lambda: plgpu.barrier_wait(
+          bars.k_ready.at[pipeline.slot_of(ring0 + own.first, cfg.num_stages)]))
+  return common.walk_blocks(cta, own, step, release, carry, before_own=first_k_ready)
 
 
 def _load_q(wg, tile: scheduler.Tile, refs: _Refs, bars: pipeline.Barriers, block_q: int):
