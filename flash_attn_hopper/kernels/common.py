@@ -43,21 +43,29 @@ class Dims(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardOptions:
-  """Static options of one backward call (hashable)."""
+class AttentionOptions:
+  """Static options that every kernel call takes (hashable: part of the jit cache key)."""
 
   scale: float
   mask: masking.MaskSpec
-  config: config_lib.BackwardConfig
+  config: object  # the kernel's own config dataclass
   interpret: bool = False
   #: Keys that count when K/V were padded along S; None means all of them.
   seq_kv: int | None = None
-  #: Whether a (B,) int32 array of keys per batch element comes with K/V.
+  #: Whether a (B,) int32 array of keys per batch element comes with K/V
+  #: (`key_value_seq_lengths`); the keys past it are masked and their blocks skipped.
   kv_lens: bool = False
 
   @property
   def is_causal(self) -> bool:
     return self.mask.is_causal
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardOptions(AttentionOptions):
+  """Static options of one backward call."""
+
+  config: config_lib.BackwardConfig
 
 
 def keys_of(batch, kv_lens_ref, dims: Dims):

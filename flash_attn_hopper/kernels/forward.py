@@ -41,24 +41,12 @@ from flash_attn_hopper.kernels import common
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardOptions:
-  """Static options of one forward call (hashable: part of the jit cache key)."""
+class ForwardOptions(common.AttentionOptions):
+  """Static options of one forward call."""
 
-  scale: float
-  mask: masking.MaskSpec
   config: config_lib.ForwardConfig
-  interpret: bool = False
-  #: Keys that count when K/V were padded along S (tiny S); None means all of them.
-  seq_kv: int | None = None
   #: Upper bound on persistent CTAs; None means one per SM.
   max_ctas: int | None = None
-  #: Whether a (B,) int32 array of keys per batch element comes with K/V
-  #: (`key_value_seq_lengths`); the keys past it are masked and their blocks skipped.
-  kv_lens: bool = False
-
-  @property
-  def is_causal(self) -> bool:
-    return self.mask.is_causal
 
 
 class _Refs(NamedTuple):
