@@ -112,10 +112,9 @@ import json, collections
 %matplotlib inline
 import matplotlib.pyplot as plt
 cells = collections.defaultdict(dict)
-for name in ("h200_forward.json", "h200_forward_causal.json"):  # the causal rows: the newer run
-    for c in json.load(open(os.path.join("..", "bench", "results", name)))["cells"]:
-        if c["status"] == "ok":
-            cells[c["workload"]["name"]][c["peer"]] = c["tflops"]
+for c in json.load(open(os.path.join("..", "bench", "results", "h200_forward.json")))["cells"]:
+    if c["status"] == "ok":
+        cells[c["workload"]["name"]][c["peer"]] = c["tflops"]
 names = sorted(cells, key=lambda n: (("bfloat16" in n), ("causal" in n), int(n.split("_d")[1].split("_")[0]), int(n.split("_t")[1].split("_")[0])))
 fp16 = [n for n in names if n.endswith("_float16")]
 ratios = [cells[n]["ours"] / cells[n]["cudnn"] for n in fp16]
