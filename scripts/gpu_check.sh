@@ -3,9 +3,10 @@
 # benchmark against cuDNN and JAX's attention_mgpu on the race grid (B·T = 16k tokens, hidden
 # 2048, T 1k/4k/16k, D 64/128/256, causal and not, fp16 and bf16).
 #   PYTHONPATH=. bash scripts/gpu_check.sh [all|tests|bench] [OUT_DIR]
-# Each part fits one 10-minute device call on its own (the ~100 tests take ~8 minutes as 8
-# parallel processes); `all` runs both, each within its time budget (FAH_TEST_SECONDS,
-# FAH_BENCH_SECONDS). Logs and results go to OUT_DIR (default: $OUT, else bench/results).
+# Each part fits one 10-minute device call on its own (the ~45 tests of the quick tier take
+# ~8 minutes as 8 parallel processes; FAH_GPU_FULL=1 adds the `full` tier's ~85, which needs
+# two or three calls with FAH_SKIP_PASSED); `all` runs both, each within its time budget
+# (FAH_TEST_SECONDS, FAH_BENCH_SECONDS). Logs and results go to OUT_DIR (default: $OUT, else bench/results).
 # The tests run one process each (scripts/run_tests_isolated.py): a hang is cut off and named.
 # FAH_TEST_FILTER narrows them (a pytest selection); FAH_SKIP_PASSED names an earlier log
 # whose passed tests are skipped.

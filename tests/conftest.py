@@ -41,7 +41,29 @@ def on_hopper() -> bool:
   return hopper_status()[0]
 
 
+# The GPU tests come in two tiers. Each test compiles its own kernels (30-150 s on the GPU
+# machine's CPUs, several at a time), and a session has 30 device minutes, so the default tier
+# is the one run after every kernel change (about 45 tests, one 10-minute device call): every
+# head dim, dtype, causality, awkward length, head layout and mask feature at least once. The
+# `full` tier adds the rest of the cross product; FAH_GPU_FULL=1 (or --full) selects it too.
+FULL_ENV = "FAH_GPU_FULL"
+
+
+def pytest_addoption(parser):
+  parser.addoption("--full", action="store_true", help="also run the tests marked `full`")
+
+
+def _deselect_full(config, items):
+  if config.getoption("--full") or os.environ.get(FULL_ENV, "") not in ("", "0"):
+    return
+  kept = [item for item in items if not item.get_closest_marker("full")]
+  if len(kept) != len(items):
+    config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("full")])
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+  _deselect_full(config, items)
   gpu_items = [item for item in items if item.get_closest_marker("gpu")]
   if not gpu_items:
     return

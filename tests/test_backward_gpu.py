@@ -15,6 +15,7 @@ import flash_attn_hopper as fah
 from flash_attn_hopper import autodiff
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
+from tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -35,20 +36,27 @@ def _check(rng, t, s, heads, d, dtype, is_causal):
   testing.check_gradients(grads, q, k, v, dout, is_causal=is_causal)
 
 
-@pytest.mark.parametrize("d", (64, 128, 256))
-@pytest.mark.parametrize("t, s, heads, dtype, is_causal", [
-    (t, s, h, dt, c) for (t, s), h, dt, c in itertools.product(
-        SEQ_PAIRS, ("gqa",), ("bfloat16", "float16"), (False, True))])
+HEAD_DIMS = (64, 128, 256)
+COMBOS = list(itertools.product(("bfloat16", "float16"), (False, True)))
+# The quick tier gives each (pair, head dim) one (dtype, causal) combination, in turn; the
+# full tier adds the other three.
+GRID = tiered([(t, s, "gqa", dt, c, d)
+               for (t, s), d in itertools.product(SEQ_PAIRS, HEAD_DIMS) for dt, c in COMBOS],
+              lambda i, case: COMBOS.index(case[3:5]) == (i // len(COMBOS)) % len(COMBOS))
+
+
+@pytest.mark.parametrize("t, s, heads, dtype, is_causal, d", GRID)
 def test_backward_grid(rng, t, s, heads, dtype, is_causal, d):
   _check(rng, t, s, heads, d, dtype, is_causal)
 
 
-@pytest.mark.parametrize("heads", ("mha", "mqa"))
+@pytest.mark.parametrize("heads", tiered([("mha",), ("mqa",)], lambda i, case: case[0] == "mqa"))
 def test_backward_head_layouts(rng, heads):
   _check(rng, 1024, 1024, heads, 128, "bfloat16", True)
 
 
-@pytest.mark.parametrize("d", autodiff.KERNEL_BACKWARD_HEAD_DIMS)
+@pytest.mark.parametrize("d", tiered([(d,) for d in autodiff.KERNEL_BACKWARD_HEAD_DIMS],
+                                     lambda i, case: case[0] == 128))
 def test_backward_is_deterministic(rng, d):
   n, kv = HEADS["gqa"]
   w = workloads.Workload("bwd", batch=2, seq_q=2048, seq_kv=2048, num_q_heads=n,

@@ -14,6 +14,7 @@ import pytest
 import flash_attn_hopper as fah
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
+from tiers import tiered
 
 pytestmark = pytest.mark.gpu
 
@@ -48,21 +49,30 @@ def _check(rng, w):
 # Every sequence pair meets every head dim; dtype and causality alternate over the pairs so
 # that each (dtype, causal) combination meets every length class without quadrupling the grid.
 GRID = [(t, s, DTYPES[i % 2], bool((i // 2) % 2)) for i, (t, s) in enumerate(SEQ_PAIRS)]
+# The quick tier gives each pair one head dim, in turn, so every head dim meets every
+# (dtype, causal) combination and every length class; the full tier adds the other two.
+GRID_BY_DIM = tiered([(*case, d) for case in GRID for d in HEAD_DIMS],
+                     lambda i, case: HEAD_DIMS.index(case[-1]) == (i // len(HEAD_DIMS)) % 3)
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("t, s, dtype, is_causal", GRID)
+@pytest.mark.parametrize("t, s, dtype, is_causal, d", GRID_BY_DIM)
 def test_forward_grid(rng, t, s, dtype, is_causal, d):
   _check(rng, _workload(t, s, "gqa", d, is_causal, dtype))
 
 
-@pytest.mark.parametrize("heads", ("mha", "mqa"))
-@pytest.mark.parametrize("d, dtype", list(itertools.product(HEAD_DIMS, DTYPES)))
+QUICK_HEAD_LAYOUTS = {("mha", 256, "float16"), ("mqa", 64, "bfloat16")}
+
+
+@pytest.mark.parametrize("heads, d, dtype", tiered(
+    itertools.product(("mha", "mqa"), HEAD_DIMS, DTYPES),
+    lambda i, case: case in QUICK_HEAD_LAYOUTS))
 def test_forward_head_layouts(rng, heads, d, dtype):
   _check(rng, _workload(1024, 1024, heads, d, True, dtype))
 
 
-@pytest.mark.parametrize("w", workloads.MODEL_SHAPES, ids=lambda w: w.name)
+@pytest.mark.parametrize("w", tiered(((w,) for w in workloads.MODEL_SHAPES),
+                                     lambda i, case: not case[0].name.startswith("mqa")),
+                         ids=lambda w: w.name)
 def test_model_shapes(rng, w):
   _check(rng, w.replace(batch=1))
 
