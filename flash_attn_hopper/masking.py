@@ -18,6 +18,10 @@ the dK/dV kernel, which Q blocks a KV tile visits. For the Q rows [q0, q0 + rows
 Blocks [full_lo, full_hi) are visible to every row of the tile and need no element mask; the
 others in [first, end) straddle an edge of the band or the end of the keys; the rest are never
 loaded. Element level: `apply_element_mask`, on those edge blocks only.
+
+Packed sequences add `SegmentIds`: query i sees key j only when their ids are equal. They are
+data, not static: `segment_spans` reduces them, per block, to ranges of blocks (outside the
+kernels, in O(T·S / block²)), which the kernels intersect with the band's `BlockRange`s.
 """
 
 from __future__ import annotations
@@ -79,6 +83,55 @@ class MaskSpec:
     return conditions[0] if len(conditions) == 1 else jnp.logical_and(*conditions)
 
 
+class SegmentIds(NamedTuple):
+  """Packed sequences: int32 ids of each query's (B, T) and each key's (B, S) segment.
+
+  Query i of batch element b sees key j only when q[b, i] == kv[b, j] (and the band and the
+  lengths allow it). Ids need not be sorted or contiguous; contiguous documents (packing)
+  let the kernels skip whole blocks.
+  """
+  q: jax.Array
+  kv: jax.Array
+
+
+def as_segment_ids(segment_ids, batch: int, seq_q: int, seq_kv: int) -> SegmentIds | None:
+  """The op's `segment_ids` argument as (B, T) and (B, S) int32 `SegmentIds`, checked.
+
+  Accepts None; a `SegmentIds` or (q_ids, kv_ids) pair; or one array for self-attention
+  (T == S), used for queries and keys alike. Each array is (B, L), or (L,) for every batch
+  element."""
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError("segment_ids must be one array, or a pair (q_segment_ids, "
+                       f"kv_segment_ids); got a sequence of {len(segment_ids)}")
+    q_ids, kv_ids = segment_ids
+  else:
+    if seq_q != seq_kv:
+      raise ValueError(f"segment_ids as one array needs T == S (self-attention); got T {seq_q} "
+                       f"and S {seq_kv}: pass SegmentIds(q=..., kv=...) instead")
+    q_ids = kv_ids = segment_ids
+
+  def check(name, ids, length):
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"segment_ids.{name} must be an integer array; got dtype {ids.dtype}")
+    if ids.shape not in ((batch, length), (length,)):
+      raise ValueError(f"segment_ids.{name} must have shape ({batch}, {length}) or "
+                       f"({length},); got {ids.shape}")
+    return jnp.broadcast_to(ids.astype(jnp.int32), (batch, length))
+
+  return SegmentIds(check("q", q_ids, seq_q), check("kv", kv_ids, seq_kv))
+
+
+def pad_segment_ids(ids: SegmentIds, seq_q: int, seq_kv: int) -> SegmentIds:
+  """Ids for inputs padded along T and S to seq_q and seq_kv: each row repeats its last id,
+  so padding widens no block's span (padded keys are masked by length, padded rows dropped)."""
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
+  return SegmentIds(pad(ids.q, seq_q), pad(ids.kv, seq_kv))
+
+
 class BlockRange(NamedTuple):
   """Blocks [first, end) are visited; [full_lo, full_hi) of them need no element mask."""
   first: jax.Array | int
@@ -100,8 +153,64 @@ class BlockRange(NamedTuple):
     return BlockRange(first, full_lo, jnp.clip(self.full_hi, full_lo, end), end)
 
 
+  def intersect(self, other: "BlockRange") -> "BlockRange":
+    """The blocks both ranges visit; a block needs no element mask only if it needs none in
+    either. An empty intersection has end == first."""
+    first = jnp.maximum(self.first, other.first)
+    end = jnp.maximum(jnp.minimum(self.end, other.end), first)
+    full_lo = jnp.clip(jnp.maximum(self.full_lo, other.full_lo), first, end)
+    full_hi = jnp.clip(jnp.minimum(self.full_hi, other.full_hi), full_lo, end)
+    return BlockRange(first, full_lo, full_hi, end)
+
+  @classmethod
+  def read(cls, spans_ref, batch, block) -> "BlockRange":
+    """Row `block` of batch element `batch` of a `segment_spans` array, in a kernel."""
+    return cls(*(spans_ref[batch, block, i] for i in range(4)))
+
+  def union(self, other: "BlockRange") -> "BlockRange":
+    """The smallest range that covers both (what a CTA of two warpgroups streams); its
+    `full_*` are empty, as a CTA range's are never used for masking."""
+    first = jnp.minimum(self.first, other.first)
+    end = jnp.maximum(self.end, other.end)
+    return BlockRange(first, first, first, jnp.maximum(end, first))
+
+
 def _cdiv(a, b):
   return (a + b - 1) // b
+
+
+def _block_bounds(ids, block: int):
+  """(min, max) id of each block of `block` entries of (B, L) ids, edge-padded to whole blocks."""
+  b, length = ids.shape
+  n = _cdiv(length, block)
+  ids = jnp.pad(ids, ((0, 0), (0, n * block - length)), mode="edge").reshape(b, n, block)
+  return ids.min(axis=2), ids.max(axis=2)
+
+
+def segment_spans(row_ids, col_ids, row_block: int, col_block: int):
+  """For each block of rows, the blocks of columns whose segments it may meet.
+
+  Returns (B, row blocks, 4) int32: [first, full_lo, full_hi, end] as in `BlockRange`. Column
+  blocks outside [first, end) share no id with the row block; those in [full_lo, full_hi)
+  hold only the row block's single id, so they need no segment mask. From each block's
+  minimum and maximum id alone, so unsorted ids are handled, only less tightly. Rows are
+  queries for the forward and dQ kernels, keys for the dK/dV kernel."""
+  r_min, r_max = (x[:, :, None] for x in _block_bounds(row_ids, row_block))
+  c_min, c_max = (x[:, None, :] for x in _block_bounds(col_ids, col_block))
+  may = (r_min <= c_max) & (c_min <= r_max)
+  full = (r_min == r_max) & (c_min == c_max) & (r_min == c_min)
+  n = may.shape[-1]
+  cols = jnp.arange(n)
+  anywhere = may.any(axis=-1)
+  first = jnp.where(anywhere, jnp.argmax(may, axis=-1), 0)
+  end = jnp.where(anywhere, n - jnp.argmax(may[..., ::-1], axis=-1), first)
+  # The first run of fully visible blocks (one run when segments are contiguous).
+  full_lo = jnp.where(full.any(axis=-1), jnp.argmax(full, axis=-1), first)
+  after = ~full & (cols >= full_lo[..., None])
+  full_hi = jnp.where(after.any(axis=-1), jnp.argmax(after, axis=-1), n)
+  full_lo = jnp.clip(full_lo, first, end)
+  full_hi = jnp.clip(full_hi, full_lo, end)
+  return jnp.stack([first, full_lo, full_hi, end], axis=-1).astype(jnp.int32)
 
 
 def kv_block_range(spec: MaskSpec, q0, rows: int, seq_kv: int, block_kv: int) -> BlockRange:
@@ -154,12 +263,22 @@ def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int, kv_lens=None):
   return xp.broadcast_to(hi < lo, np.shape(hi < lo))
 
 
-def apply_element_mask(s, q0, k0, seq_kv: int | None, spec: MaskSpec, *, key_axis: int = 1):
+def same_segment(q_ids, k_ids, shape, *, key_axis: int = 1):
+  """Whether each (query, key) pair of a logit block shares a segment: q_ids in the block's
+  per-query layout, k_ids in its per-key layout (see `apply_element_mask`)."""
+  along = lambda x, axis: jax.lax.broadcast_in_dim(x, shape, [axis])
+  return along(q_ids, 1 - key_axis) == along(k_ids, key_axis)
+
+
+def apply_element_mask(s, q0, k0, seq_kv: int | None, spec: MaskSpec, *, key_axis: int = 1,
+                       segments=None):
   """Sets the logits of invisible (query, key) pairs of one block to −inf.
 
   `s` is a logit block in `Layout.WGMMA` of queries q0.. and keys k0..: (queries, keys) with
   `key_axis=1`, or the transposed (keys, queries) block of the dK/dV kernel with `key_axis=0`.
-  Keys at or past `seq_kv` are invisible (None: no such keys), and so is what `spec` masks.
+  Keys at or past `seq_kv` are invisible (None: no such keys), and so is what `spec` masks,
+  and with `segments` (the block's (query ids, key ids), see `same_segment`) a key of
+  another segment.
   """
   shape = s.shape
   iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
@@ -170,6 +289,8 @@ def apply_element_mask(s, q0, k0, seq_kv: int | None, spec: MaskSpec, *, key_axi
   band = spec.visible(q0 + iota(1 - key_axis), k_ids)
   if band is not None:
     conditions.append(band)
+  if segments is not None:
+    conditions.append(same_segment(*segments, shape, key_axis=key_axis))
   if not conditions:
     return s
   visible = conditions[0] if len(conditions) == 1 else jnp.logical_and(*conditions)
