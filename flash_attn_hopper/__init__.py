@@ -4,8 +4,9 @@ from flash_attn_hopper.api import dot_product_attention
 from flash_attn_hopper.config import ForwardConfig
 from flash_attn_hopper.flax_attention import flax_attention_fn
 from flash_attn_hopper.layouts import AccumulatorLayoutError, to_accumulator_layout
+from flash_attn_hopper.masking import SegmentIds
 from flash_attn_hopper.reference import attention_reference
 
 __all__ = ["dot_product_attention", "attention_reference", "ForwardConfig", "flax_attention_fn",
-           "AccumulatorLayoutError", "to_accumulator_layout"]
+           "AccumulatorLayoutError", "to_accumulator_layout", "SegmentIds"]
 __version__ = "0.1.0"

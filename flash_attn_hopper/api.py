@@ -129,19 +129,24 @@ def mask_spec(t: int, s: int, *, is_causal, local_window_size,
                           offset=s - t if causal_alignment == "bottom_right" else 0)
 
 
-def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None):
+def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
+                      segment_ids=None):
   """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
 
   Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
   gives them jax.nn's answer)."""
   t, s = q.shape[1], k.shape[1]
-  cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config)
+  segments = segment_ids is not None
+  cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config,
+                                          segments=segments)
   opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
                                        interpret=bool(interpret), seq_kv=s,
                                        max_ctas=INTERPRET_CTAS if interpret else None,
-                                       kv_lens=kv_lens is not None)
-  out, lse = autodiff.attention(_pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv),
-                                _pad_seq(v, cfg.block_kv), kv_lens, opts)
+                                       kv_lens=kv_lens is not None, segments=segments)
+  q, k, v = _pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv), _pad_seq(v, cfg.block_kv)
+  if segments:
+    segment_ids = masking.pad_segment_ids(segment_ids, q.shape[1], k.shape[1])
+  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, opts)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
@@ -149,7 +154,8 @@ def _as_jax_nn_for_empty_rows(out, v, empty):
   """jax.nn masks logits with a large finite negative, so a query that sees no key gets the
   mean of V over all keys. The kernel returns 0 there; this puts jax.nn's rows in.
 
-  `empty`: (T,) numpy (static masks) or (B, T) jax (with key lengths) bool."""
+  `empty`: (T,) numpy (static masks), (B, T) jax (with key lengths) or (B, T, N) jax (with
+  segment ids: where the kernel's LSE is −inf) bool."""
   if isinstance(empty, np.ndarray) and not empty.any():
     return out
   n = out.shape[2]
@@ -157,7 +163,8 @@ def _as_jax_nn_for_empty_rows(out, v, empty):
   mean_v = jnp.repeat(mean_v, n // v.shape[2], axis=1).astype(out.dtype)  # (B, N, H)
   empty = jnp.asarray(empty)
   empty = empty[None] if empty.ndim == 1 else empty
-  return jnp.where(empty[:, :, None, None], mean_v[:, None], out)
+  empty = empty[:, :, None] if empty.ndim == 2 else empty
+  return jnp.where(empty[..., None], mean_v[:, None], out)
 
 
 def _lengths(name: str, lengths, batch: int):
@@ -179,10 +186,18 @@ def _band_as_mask(spec: masking.MaskSpec, t: int, s: int, mask):
   return band if mask is None else jnp.logical_and(mask, band)
 
 
+def _segments_as_mask(ids: masking.SegmentIds, mask, squeeze: bool):
+  """jax.nn has no segment ids: its paths get them as an explicit (B, 1, T, S) mask."""
+  same = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
+  same = same[0] if squeeze else same
+  return same if mask is None else jnp.logical_and(mask, same)
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          causal_alignment="top_left", interpret=False, config=None):
+                          causal_alignment="top_left", segment_ids=None, interpret=False,
+                          config=None):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s semantics.
 
   Args:
@@ -203,6 +218,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     causal_alignment: 'top_left' (default, jax.nn's) or 'bottom_right' (FlashAttention's for
       T != S, as in decoding and chunked prefill: query i sees keys j <= i + S − T). It
       shifts the window the same way.
+    segment_ids: packed sequences. One int array (B, T) for self-attention (T == S), or a
+      `SegmentIds(q=(B, T), kv=(B, S))` / (q_ids, kv_ids) pair, as splash attention and
+      maxtext take them; (L,) arrays apply to every batch element. Query i sees key j only
+      when their ids are equal, on top of the other masks. KV blocks that share no segment
+      with a Q tile are skipped, so packing documents costs what the documents cost. Ids
+      need not be sorted (unsorted ids skip fewer blocks). jax.nn has no such argument: its
+      paths get the ids as an explicit mask.
     implementation: None (our kernel on a Hopper GPU; elsewhere XLA, with one warning),
       'flash_attn_hopper' (our kernel; an error off Hopper unless `interpret`), 'xla' or
       'cudnn' (`jax.nn.dot_product_attention`'s own).
@@ -213,8 +235,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
   Kernel dtypes are float16 and bfloat16; head dims 64, 128 and 256; any T ≥ 1 and S ≥ 1.
 
-  A query that sees no key (a window or a bottom-right alignment can leave one with none)
-  gets what `jax.nn` gives it: the mean of V over all keys; its gradient flows to V alone.
+  A query that sees no key (a window, a bottom-right alignment or a segment without keys
+  can leave one with none) gets what `jax.nn` gives it: the mean of V over all keys; its
+  gradient flows to V alone.
   Its LSE from the kernel is −inf.
 
   Returns:
@@ -234,13 +257,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   lengths = dict(query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths)
 
+  segments = masking.as_segment_ids(segment_ids, query.shape[0] if query.ndim == 4 else 1, t, s)
+
   use_kernel = interpret or implementation == KERNEL or (implementation is None and on_hopper())
   if not use_kernel:
     if implementation is None:
       _warn_fallback_once()
     if spec.offset and spec.banded:
-      masks["mask"] = _band_as_mask(spec, t, s, mask)
+      masks["mask"] = _band_as_mask(spec, t, s, masks["mask"])
       is_causal, local_window_size = False, None
+    if segments is not None:
+      masks["mask"] = _segments_as_mask(segments, masks["mask"], query.ndim == 3)
     return jax.nn.dot_product_attention(
         query, key, value, **masks, **lengths, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, implementation=implementation or "xla",
@@ -260,8 +287,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   q_lens = _lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
-                               interpret=interpret, kv_lens=kv_lens)
-  out = _as_jax_nn_for_empty_rows(out, value, masking.empty_rows(spec, t, s, kv_lens))
+                               interpret=interpret, kv_lens=kv_lens, segment_ids=segments)
+  empty = (jnp.isneginf(lse) if segments is not None else
+           masking.empty_rows(spec, t, s, kv_lens))
+  out = _as_jax_nn_for_empty_rows(out, value, empty)
   if q_lens is not None:  # As jax.nn: rows past a query's length are zero.
     out = jnp.where((jnp.arange(t)[None, :] < q_lens[:, None])[:, :, None, None], out, 0)
   if squeeze:

@@ -25,52 +25,58 @@ from flash_attn_hopper.kernels import forward as forward_kernel
 KERNEL_BACKWARD_HEAD_DIMS = (64, 128)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention(q, k, v, kv_lens, opts: forward_kernel.ForwardOptions):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention(q, k, v, kv_lens, segment_ids, opts: forward_kernel.ForwardOptions):
   """Kernel attention on canonical inputs; returns (out, lse) as `attention_forward` does.
 
-  `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`."""
-  return forward_kernel.attention_forward(q, k, v, opts, kv_lens)
+  `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`;
+  `segment_ids` is None, or `masking.SegmentIds` padded like q and k when `opts.segments`.
+  Neither has a gradient."""
+  return forward_kernel.attention_forward(q, k, v, opts, kv_lens, segment_ids)
 
 
-def _attention_fwd(q, k, v, kv_lens, opts):
+def _attention_fwd(q, k, v, kv_lens, segment_ids, opts):
   # Through `attention` itself, so that differentiating the residuals (a second derivative)
   # meets this custom rule, and then `_backward`'s clear error, not the kernel's lowering.
-  out, lse = attention(q, k, v, kv_lens, opts)
-  return (out, lse), (q, k, v, kv_lens, out, lse)
+  out, lse = attention(q, k, v, kv_lens, segment_ids, opts)
+  return (out, lse), (q, k, v, (kv_lens, segment_ids), out, lse)
 
 
 def _attention_bwd(opts, residuals, cotangents):
-  q, k, v, kv_lens, out, lse = residuals
+  q, k, v, masks, out, lse = residuals
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
   if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS:
-    return (*_blockwise_backward(q, k, v, out, lse, dout, kv_lens, opts), None)
+    return (*_blockwise_backward(q, k, v, out, lse, dout, masks, opts), None, None)
   bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
                                     config=config_lib.BackwardConfig(),
-                                    interpret=opts.interpret,
-                                    seq_kv=opts.seq_kv, kv_lens=opts.kv_lens)
-  return (*_backward(q, k, v, out, lse, dout, kv_lens, bwd_opts), None)
+                                    interpret=opts.interpret, seq_kv=opts.seq_kv,
+                                    kv_lens=opts.kv_lens, segments=opts.segments)
+  return (*_backward(q, k, v, out, lse, dout, masks, bwd_opts), None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _blockwise_backward(q, k, v, out, lse, dout, kv_lens, opts):
-  """`blockwise.attention_backward`, also refusing to be differentiated again."""
+def _blockwise_backward(q, k, v, out, lse, dout, masks, opts):
+  """`blockwise.attention_backward`, also refusing to be differentiated again. `masks` is
+  (kv_lens, segment_ids)."""
+  kv_lens, segment_ids = masks
   return blockwise.attention_backward(q, k, v, out, lse, dout, scale=opts.scale,
-                                      mask=opts.mask, seq_kv=opts.seq_kv, kv_lens=kv_lens)
+                                      mask=opts.mask, seq_kv=opts.seq_kv, kv_lens=kv_lens,
+                                      segment_ids=segment_ids)
 
 
-def _blockwise_backward_fwd(q, k, v, out, lse, dout, kv_lens, opts):
-  return _blockwise_backward(q, k, v, out, lse, dout, kv_lens, opts), None
+def _blockwise_backward_fwd(q, k, v, out, lse, dout, masks, opts):
+  return _blockwise_backward(q, k, v, out, lse, dout, masks, opts), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _backward(q, k, v, out, lse, dout, kv_lens, opts):
-  """The backward kernels, as a function that refuses to be differentiated again."""
-  return backward_kernel.attention_backward(q, k, v, out, lse, dout, opts, kv_lens)
+def _backward(q, k, v, out, lse, dout, masks, opts):
+  """The backward kernels, as a function that refuses to be differentiated again. `masks`
+  is (kv_lens, segment_ids)."""
+  return backward_kernel.attention_backward(q, k, v, out, lse, dout, opts, *masks)
 
 
-def _backward_fwd(q, k, v, out, lse, dout, kv_lens, opts):
-  return _backward(q, k, v, out, lse, dout, kv_lens, opts), None
+def _backward_fwd(q, k, v, out, lse, dout, masks, opts):
+  return _backward(q, k, v, out, lse, dout, masks, opts), None
 
 
 def _backward_bwd(opts, residuals, cotangents):

@@ -58,22 +58,26 @@ class ForwardConfig:
   def rows_per_cta(self) -> int:
     return pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q
 
-  def smem_bytes(self, head_dim: int, itemsize: int, separate_o: bool = False) -> int:
+  def smem_bytes(self, head_dim: int, itemsize: int, separate_o: bool = False,
+                 segments: bool = False) -> int:
     """Shared memory the kernel allocates: Q tiles (and O tiles when `separate_o`), the K/V
-    ring and the LSE tiles."""
+    ring and the LSE tiles (and with `segments`, the int32 ids of the Q tiles and a ring of
+    the keys' ids)."""
     q_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * head_dim * itemsize
     kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     lse_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * 4
-    return q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles
+    ids = (pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q + self.num_stages * self.block_kv) * 4
+    return q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles + (ids if segments else 0)
 
-  def fits(self, head_dim: int, itemsize: int, separate_o: bool = False) -> bool:
+  def fits(self, head_dim: int, itemsize: int, separate_o: bool = False,
+           segments: bool = False) -> bool:
     """Whether the tiles fit the shared-memory budget. The kernel gives O its own tiles
     (so the next Q loads under the epilogue) only when they fit too."""
-    return self.smem_bytes(head_dim, itemsize, separate_o) <= SMEM_BUDGET
+    return self.smem_bytes(head_dim, itemsize, separate_o, segments) <= SMEM_BUDGET
 
-  def check_fits(self, head_dim: int, itemsize: int) -> None:
+  def check_fits(self, head_dim: int, itemsize: int, segments: bool = False) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
-    need = self.smem_bytes(head_dim, itemsize)
+    need = self.smem_bytes(head_dim, itemsize, segments=segments)
     budget = SMEM_BUDGET
     if need > budget:
       raise ValueError(
@@ -125,12 +129,14 @@ def _heuristic(head_dim: int, itemsize: int) -> ForwardConfig:
 
 
 def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
-                           config: ForwardConfig | None = None) -> ForwardConfig:
-  """Picks the forward config: explicit, else tuned, else heuristic; checked to fit."""
+                           config: ForwardConfig | None = None,
+                           segments: bool = False) -> ForwardConfig:
+  """Picks the forward config: explicit, else tuned, else heuristic; checked to fit (with
+  the segment ids' buffers when `segments`)."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
     config = TUNED_FORWARD.get((head_dim, bool(is_causal))) or _heuristic(head_dim, itemsize)
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, itemsize)
+  config.check_fits(head_dim, itemsize, segments)
   return config

@@ -27,6 +27,7 @@ kernels, in O(T·S / block²)), which the kernels intersect with the band's `Blo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -293,5 +294,5 @@ def apply_element_mask(s, q0, k0, seq_kv: int | None, spec: MaskSpec, *, key_axi
     conditions.append(same_segment(*segments, shape, key_axis=key_axis))
   if not conditions:
     return s
-  visible = conditions[0] if len(conditions) == 1 else jnp.logical_and(*conditions)
+  visible = functools.reduce(jnp.logical_and, conditions)
   return jnp.where(visible, s, -jnp.inf)

@@ -53,6 +53,7 @@ class Barriers:
     schedule: orders the two compute warpgroups' tensor-core work (FA3's ping-pong): each
       warpgroup passes it once after issuing QKᵀ and once after its softmax, and warpgroup 1
       starts one phase behind, so one warpgroup's softmax overlaps the other's matmuls.
+    q_ids_ready, ids_ready, ids_consumed: segment ids only (see below); None otherwise.
   """
 
   q_ready: object
@@ -61,20 +62,32 @@ class Barriers:
   k_consumed: object
   v_consumed: object
   schedule: object
+  #: With segment ids only: one per compute warpgroup, its Q tile's ids landed; and the
+  #: (ready, consumed) pair of the ring of the keys' ids, a third stream beside K and V.
+  q_ids_ready: object = None
+  ids_ready: object = None
+  ids_consumed: object = None
 
   @staticmethod
-  def types(num_stages: int) -> tuple:
+  def types(num_stages: int, segments: bool = False) -> tuple:
     """The scratch types that `pl.run_scoped` allocates, in the order of the fields."""
     per_wg = NUM_COMPUTE_WARPGROUPS
     k_ready, k_consumed = stream_barrier_types(num_stages)
     v_ready, v_consumed = stream_barrier_types(num_stages)
-    return (plgpu.Barrier(num_barriers=per_wg), k_ready, v_ready, k_consumed, v_consumed,
+    base = (plgpu.Barrier(num_barriers=per_wg), k_ready, v_ready, k_consumed, v_consumed,
             plgpu.Barrier(num_arrivals=per_wg))
+    if not segments:
+      return base
+    return (*base, plgpu.Barrier(num_barriers=per_wg), *stream_barrier_types(num_stages))
 
-  def kv_streams(self, k_src, v_src, k_smem, v_smem) -> tuple[Stream, Stream]:
-    """K then V, each `src(step)` a block view, as ring streams."""
-    return (Stream(k_src, k_smem, self.k_ready, self.k_consumed),
-            Stream(v_src, v_smem, self.v_ready, self.v_consumed))
+  def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None) -> tuple:
+    """K then V, each `src(step)` a block view, as ring streams; with segment ids, the keys'
+    ids stream between them (the mask needs them before P V)."""
+    k = Stream(k_src, k_smem, self.k_ready, self.k_consumed)
+    v = Stream(v_src, v_smem, self.v_ready, self.v_consumed)
+    if self.ids_ready is None:
+      return k, v
+    return k, Stream(ids_src, ids_smem, self.ids_ready, self.ids_consumed), v
 
   def sync_schedule(self):
     """Both compute warpgroups pass the schedule barrier (see the class docstring)."""

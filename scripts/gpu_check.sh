@@ -2,7 +2,7 @@
 # The GPU check, run after every kernel change on an H200: the GPU tests, then the forward
 # benchmark against cuDNN and JAX's attention_mgpu on the race grid (B·T = 16k tokens, hidden
 # 2048, T 1k/4k/16k, D 64/128/256, causal and not, fp16 and bf16).
-#   PYTHONPATH=. bash scripts/gpu_check.sh [all|tests|bench] [OUT_DIR]
+#   PYTHONPATH=. bash scripts/gpu_check.sh [all|tests|bench|backward|masks] [OUT_DIR]
 # Each part fits one 10-minute device call on its own (the ~45 tests of the quick tier take
 # ~8 minutes as 8 parallel processes; FAH_GPU_FULL=1 adds the `full` tier's ~85, which needs
 # two or three calls with FAH_SKIP_PASSED); `all` runs both, each within its time budget
@@ -14,11 +14,24 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part="${1:-all}"
 out="${2:-${OUT:-bench/results}}"
-case "$part" in all|tests|bench) ;; *) echo "usage: $0 [all|tests|bench] [OUT_DIR]" >&2; exit 2 ;; esac
+case "$part" in all|tests|bench|backward|masks) ;;
+  *) echo "usage: $0 [all|tests|bench|backward|masks] [OUT_DIR]" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 tests=0 bench=0
+
+if [[ $part == backward ]]; then  # the backward issue's grid: fwd+bwd and bwd against cuDNN
+  python3 -m bench --passes bwd,fwdbwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \
+    --causal both --dtypes bfloat16,float16 --peers cudnn --repeats 5 \
+    --time-budget "${FAH_BENCH_SECONDS:-540}" --no-progress --out "$out" --tag h200_backward \
+    2>&1 | tee "$out/bench_backward.log" | tail -n 60
+  exit "${PIPESTATUS[0]}"
+fi
+if [[ $part == masks ]]; then  # the masks issue's speed pairs
+  python3 -m bench.masks 2>&1 | tee "$out/bench_masks.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 if [[ $part != bench ]]; then
   # One process per test, several at a time (compiling is most of a test's time, on the CPU):

@@ -145,3 +145,29 @@ def test_bottom_right_alignment_on_the_xla_path_matches_the_reference(rng, windo
   out = fah.dot_product_attention(q, k, v, implementation="xla", **kw)
   ref = fah.attention_reference(q, k, v, **kw)
   assert float(jnp.max(jnp.abs(out - ref))) < 1e-5
+
+
+@pytest.mark.parametrize("unbatched", (False, True))
+def test_segment_ids_on_the_xla_path_match_the_reference(rng, unbatched):
+  q, k, v = _qkv(rng, b=1, t=24, s=24, dtype=jnp.float32)
+  ids = jnp.asarray([0] * 10 + [1] * 5 + [2] * 9, jnp.int32)
+  if unbatched:
+    q, k, v = q[0], k[0], v[0]
+  out = fah.dot_product_attention(q, k, v, is_causal=True, segment_ids=ids, implementation="xla")
+  ref = fah.attention_reference(q, k, v, is_causal=True, segment_ids=ids)
+  assert out.shape == q.shape
+  assert float(jnp.max(jnp.abs(out - ref))) < 1e-5
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    ((jnp.zeros((1, 16), jnp.float32), jnp.zeros(24, jnp.int32)), TypeError,
+     "segment_ids.q must be an integer array"),
+    ((jnp.zeros(16, jnp.int32), jnp.zeros((2, 24), jnp.int32)), ValueError,
+     r"segment_ids.kv must have shape \(1, 24\)"),
+    (jnp.zeros((1, 16), jnp.int32), ValueError, "T == S"),  # one array, but T != S
+    ((jnp.zeros(16, jnp.int32),) * 3, ValueError, "pair"),
+])
+def test_bad_segment_ids_are_named(rng, ids, error, match):
+  q, k, v = _qkv(rng, t=16, s=24)
+  with pytest.raises(error, match=match):
+    fah.dot_product_attention(q, k, v, segment_ids=ids, implementation="xla")

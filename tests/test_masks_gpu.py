@@ -1,9 +1,11 @@
-"""Windows and the bottom-right alignment on an H200, forward and backward, at full size."""
+"""Windows, the bottom-right alignment, sequence lengths and segment ids on an H200, forward
+and backward, at full size."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import flash_attn_hopper as fah
@@ -52,6 +54,42 @@ def test_sequence_lengths_forward_and_gradients(rng, d):
                                                    **kw)
   testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
   testing.check_attention(jax.jit(attn)(q, k, v), q, k, v, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
+
+
+def _documents(rng, batch: int, length: int, docs: int):
+  """Sorted ids of `docs` contiguous documents of random lengths per batch element."""
+  cuts = [np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False)) for _ in range(batch)]
+  return jnp.asarray(np.stack([np.repeat(np.arange(docs), np.diff(np.concatenate(
+      [[0], c, [length]]))) for c in cuts]), jnp.int32)
+
+
+@pytest.mark.parametrize("d, is_causal, layout", tiered(
+    [(64, True, "packed"), (128, True, "packed"), (256, True, "packed"),
+     (128, False, "cross"), (64, False, "unsorted")],
+    lambda i, case: case in ((128, True, "packed"), (64, False, "unsorted"))))
+def test_segment_ids_forward_and_gradients(rng, d, is_causal, layout):
+  t, s = (4096, 4096) if layout != "cross" else (2048, 4096)
+  w = workloads.Workload("segments", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
+                         head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  if layout == "packed":  # 16 documents; self-attention
+    ids = _documents(rng, 2, t, 16)
+    segment_ids = fah.SegmentIds(ids, ids)
+  elif layout == "cross":  # query documents 6 and 7 have no keys
+    segment_ids = fah.SegmentIds(_documents(rng, 2, t, 8), _documents(rng, 2, s, 6))
+  else:
+    segment_ids = fah.SegmentIds(jnp.asarray(rng.integers(0, 4, (2, t)), jnp.int32),
+                                 jnp.asarray(rng.integers(0, 4, (2, s)), jnp.int32))
+  kw = dict(is_causal=is_causal, segment_ids=segment_ids)
+  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
+                                                   **kw)
+  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
+  out, lse = jax.jit(lambda q, k, v: fah.dot_product_attention(
+      q, k, v, implementation="flash_attn_hopper", return_residual=True, **kw))(q, k, v)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
   dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
   grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
   testing.check_gradients(grads, q, k, v, dout, **kw)

@@ -1,13 +1,16 @@
-"""Windows and the bottom-right causal alignment through the real kernels (interpreter), forward
-and backward, against the float32 reference with jax.nn's semantics."""
+"""Windows, the bottom-right causal alignment, sequence lengths and segment ids through the real
+kernels (interpreter), forward and backward, against the float32 reference with jax.nn's
+semantics."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import flash_attn_hopper as fah
+from flash_attn_hopper import masking
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
 
@@ -69,3 +72,63 @@ def test_key_lengths_under_vmap(rng):
   out = jax.vmap(attn)(q, k, v, lens)
   for i in range(2):
     testing.check_attention(out[i], q[i], k[i], v[i], key_value_seq_lengths=lens[i])
+
+
+def _packed(rng, batch: int, length: int, docs: int):
+  """Sorted ids of `docs` contiguous documents of random lengths (some may be 1 long)."""
+  cuts = [np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False)) for _ in range(batch)]
+  ids = [np.repeat(np.arange(docs), np.diff(np.concatenate([[0], c, [length]]))) for c in cuts]
+  return jnp.asarray(np.stack(ids), jnp.int32)
+
+
+def _segment_cases(rng, t, s, layout):
+  """(B, T) and (B, S) ids for a named layout."""
+  if layout == "packed":  # self-attention over packed documents, one of them a single token
+    ids = np.asarray(_packed(rng, 2, t, 5))
+    ids[0, 40:] += 1
+    ids[0, 41:] += 1  # token 40 of batch element 0 is a document of its own
+    return fah.SegmentIds(jnp.asarray(ids), jnp.asarray(ids))
+  if layout == "missing":  # cross-attention; some query segments have no keys at all
+    q = _packed(rng, 2, t, 4)
+    kv = _packed(rng, 2, s, 3)
+    return fah.SegmentIds(q, kv)
+  assert layout == "unsorted"  # ids need not be contiguous: the kernels mask, skip less
+  return fah.SegmentIds(jnp.asarray(rng.integers(0, 3, (2, t)), jnp.int32),
+                        jnp.asarray(rng.integers(0, 3, (2, s)), jnp.int32))
+
+
+SEGMENT_CASES = [
+    # (T, S, D, is_causal, layout, other masks)
+    (300, 300, 64, True, "packed", {}),
+    (200, 330, 64, False, "missing", dict(key_value_seq_lengths=jnp.array([300, 120]))),
+    (260, 260, 64, False, "unsorted", {}),
+    (250, 250, 64, True, "packed", dict(local_window_size=(60, 0))),
+    (200, 200, 128, True, "packed", {}),
+    (130, 130, 256, False, "packed", {}),
+]
+
+
+@pytest.mark.parametrize("t, s, d, is_causal, layout, extra", SEGMENT_CASES)
+def test_segment_ids_match_reference(rng, t, s, d, is_causal, layout, extra):
+  w = workloads.Workload("segments", batch=2, seq_q=t, seq_kv=s, num_q_heads=4, num_kv_heads=2,
+                         head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  kw = dict(is_causal=is_causal, segment_ids=_segment_cases(rng, t, s, layout), **extra)
+  config = CONFIG if d < 256 else None
+  out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=config,
+                                       return_residual=True, **kw)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=config, **kw)
+  grads = jax.vjp(f, q, k, v)[1](dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
+
+
+def test_segment_ids_skip_blocks_across_documents():
+  """Packed documents: each Q tile's KV range covers its own documents only."""
+  ids = jnp.repeat(jnp.arange(4), 256)[None]             # 4 documents of 256 tokens
+  spans = np.asarray(masking.segment_spans(ids, ids, 64, 128))[0]
+  for block, (first, full_lo, full_hi, end) in enumerate(spans):
+    doc = block * 64 // 256
+    assert (first, end) == (2 * doc, 2 * doc + 2)        # two KV blocks per document
+    assert (full_lo, full_hi) == (first, end)            # all fully inside the document

@@ -11,7 +11,8 @@ from flash_attn_hopper.kernels import dkv as dkv_kernel
 from flash_attn_hopper.kernels import dq as dq_kernel
 
 
-def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv_lens=None):
+def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv_lens=None,
+                       segment_ids=None):
   """Gradients of attention with respect to q, k and v.
 
   Args:
@@ -20,6 +21,7 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
     dout: the output's cotangent, shaped like `out`.
     opts: static options.
     kv_lens: (B,) int32 keys per batch element, given exactly when `opts.kv_lens`.
+    segment_ids: `masking.SegmentIds` padded like q and k, given exactly when `opts.segments`.
 
   Returns:
     (dq, dk, dv), shaped and typed like (q, k, v). dK and dV are summed over each GQA group
@@ -30,9 +32,9 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_tiles - t)))
   lse_log2 = lse * softmax.LOG2E
-  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens)
+  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids)
   # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,
   # and the CPU interpreter deadlocks when XLA runs two interpreted kernels at once.
   q, dq = lax.optimization_barrier((q, dq))
-  dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens)
+  dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids)
   return dq, dk, dv

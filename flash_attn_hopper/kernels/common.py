@@ -55,6 +55,10 @@ class AttentionOptions:
   #: Whether a (B,) int32 array of keys per batch element comes with K/V
   #: (`key_value_seq_lengths`); the keys past it are masked and their blocks skipped.
   kv_lens: bool = False
+  #: Whether segment ids (`masking.SegmentIds`, padded like Q and K/V) and their block spans
+  #: (`masking.segment_spans`) come with the inputs; keys of another segment are masked and
+  #: blocks that share no segment with a tile are skipped.
+  segments: bool = False
 
   @property
   def is_causal(self) -> bool:
@@ -74,6 +78,50 @@ def keys_of(batch, kv_lens_ref, dims: Dims):
   if kv_lens_ref is None:
     return dims.seq_kv
   return jnp.clip(kv_lens_ref[batch], 0, dims.seq_kv)
+
+
+#: Per-query vectors of a (queries, keys) block vary along its rows, per-key ones along its
+#: columns (the softmax statistics' layout and its transpose).
+ROWS = plgpu.Layout.WGMMA.reduce(1)
+COLUMNS = plgpu.Layout.WGMMA.reduce(0)
+
+
+class MaskInputs(NamedTuple):
+  """The data-dependent mask inputs of one kernel call, in global memory (each None when
+  absent): keys per batch element, the segment ids of queries and keys, and the block spans
+  of the tiles' segments (`masking.segment_spans`, rows of whatever the kernel tiles)."""
+  kv_lens: object = None
+  q_ids: object = None
+  kv_ids: object = None
+  spans: object = None
+
+  @classmethod
+  def split(cls, refs, opts: "AttentionOptions"):
+    """Splits a kernel's trailing refs into (MaskInputs, the rest): `kv_lens` when
+    `opts.kv_lens`, then (q_ids, kv_ids, spans) when `opts.segments`."""
+    refs = list(refs)
+    kv_lens = refs.pop(0) if opts.kv_lens else None
+    ids = [refs.pop(0) for _ in range(3)] if opts.segments else [None] * 3
+    return cls(kv_lens, *ids), refs
+
+  @classmethod
+  def of(cls, kv_lens, segment_ids, opts: "AttentionOptions", *, seq_q: int, seq_kv: int,
+         block_q: int, block_kv: int, tiles_are_keys: bool = False) -> "MaskInputs":
+    """A kernel's mask inputs: the segment ids padded to seq_q and seq_kv (whole tiles), and
+    their spans: per block of block_q queries the KV blocks, or with `tiles_are_keys` (the
+    dK/dV kernel) per block of block_kv keys the query blocks."""
+    if not opts.segments:
+      return cls(kv_lens)
+    ids = masking.pad_segment_ids(segment_ids, seq_q, seq_kv)
+    if tiles_are_keys:
+      spans = masking.segment_spans(ids.kv, ids.q, block_kv, block_q)
+    else:
+      spans = masking.segment_spans(ids.q, ids.kv, block_q, block_kv)
+    return cls(kv_lens, ids.q, ids.kv, spans)
+
+  def arrays(self) -> tuple:
+    """The inputs that are present, in the order `split` expects."""
+    return tuple(x for x in self if x is not None)
 
 
 def smem_tile(shape, dtype):

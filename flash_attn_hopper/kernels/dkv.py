@@ -13,7 +13,9 @@ streams Q, dO, the LSE and δ of every query block of every query head in the KV
       dSᵀ = Pᵀ ∘ (dPᵀ − δ)
       dK += dSᵀ Q               scaled once at the end
 
-Keys past S and queries past T need no mask: TMA zero-fills their K/V (Q/dO) rows, δ is padded
+With a band, key lengths or segment ids, every step is masked (the keys' ids load with K and
+V, the queries' ids stream with Q), and with segment ids the query blocks that share no
+segment with the tile are skipped. Keys past S and queries past T need no mask: TMA zero-fills their K/V (Q/dO) rows, δ is padded
 with zeros, so they add nothing, and the rows past S are clipped on store.
 """
 
@@ -34,10 +36,6 @@ from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 
-#: The per-query vectors of a (keys, queries) block vary along its columns.
-_COLUMNS = plgpu.Layout.WGMMA.reduce(0)
-
-
 class _Refs(NamedTuple):
   q: object
   k: object
@@ -54,6 +52,9 @@ class _Refs(NamedTuple):
   lse_ring: object  # (num_stages, block_q)
   delta_ring: object
   staging: object   # interpreter only: (compute warpgroups, block_kv, block_q), else None
+  masks: common.MaskInputs  # key lengths, segment ids and spans (per key block)
+  k_ids_smem: object = None  # segments: (compute warpgroups, block_kv) int32
+  q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
 
 
 class _Tile(NamedTuple):
@@ -65,15 +66,19 @@ class _Tile(NamedTuple):
   seq_kv: jax.Array | int  # the batch element's keys (`key_value_seq_lengths`)
 
 
-def _tile(kv_lens, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
+def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
   cfg = opts.config
-  keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
-  key0 = lax.axis_index("kv_tile") * keys
-  blocks = masking.q_block_range(opts.mask, key0, keys, dims.seq_q, cfg.block_q)
+  wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+  key0 = lax.axis_index("kv_tile") * wgs * cfg.block_kv
+  blocks = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
   batch = lax.axis_index("batch")
-  seq_kv = common.keys_of(batch, kv_lens, dims)
+  if opts.segments:  # Only the query blocks that share a segment with the keys.
+    spans = [masking.BlockRange.read(masks.spans, batch, key0 // cfg.block_kv + i)
+             for i in range(wgs)]
+    blocks = blocks.intersect(functools.reduce(masking.BlockRange.union, spans))
+  seq_kv = common.keys_of(batch, masks.kv_lens, dims)
   steps = blocks.end - blocks.first
-  if kv_lens is not None:  # A tile past the batch element's keys runs no step: dK = dV = 0.
+  if opts.kv_lens:  # A tile past the batch element's keys runs no step: dK = dV = 0.
     steps = jnp.where(key0 < seq_kv, steps, 0)
   return _Tile(batch=batch, kv_head=lax.axis_index("kv_head"), key0=key0,
                q_block0=jnp.int32(blocks.first), steps_per_head=steps, seq_kv=seq_kv)
@@ -87,25 +92,30 @@ def _step_rows(step, tile: _Tile, dims, cfg):
   return head, (tile.q_block0 + j) * cfg.block_q
 
 
-def _q_step(step, carry, *, wg, tile, refs: _Refs, streams, dims, opts):
-  """One query block against this warpgroup's keys."""
+def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None)."""
   dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
-  q_s, do_s, lse_s, delta_s = streams
+  q_s, do_s, lse_s, delta_s, *ids_s = streams
   for stream in streams:
     plgpu.barrier_wait(stream.ready.at[slot])
   k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
   staging = None if refs.staging is None else refs.staging.at[wg]
 
   st = common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
-  if opts.mask.banded or opts.kv_lens:  # Every step: queries may straddle the band's edges.
-    _, q0 = _step_rows(step, tile, dims, cfg)
+  segments = None
+  if opts.segments:
+    segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
+    plgpu.barrier_arrive(ids_s[0].consumed.at[slot])
+  if opts.mask.banded or opts.kv_lens or opts.segments:  # Every step: queries may straddle
+    _, q0 = _step_rows(step, tile, dims, cfg)              # the band's or a segment's edges.
     key0 = tile.key0 + wg * cfg.block_kv
     seq_kv = tile.seq_kv if opts.kv_lens else None
-    st = masking.apply_element_mask(st, q0, key0, seq_kv, opts.mask, key_axis=0)
-  lse = plgpu.load(refs.lse_ring.at[slot], layout=_COLUMNS)
-  delta = plgpu.load(refs.delta_ring.at[slot], layout=_COLUMNS)
+    st = masking.apply_element_mask(st, q0, key0, seq_kv, opts.mask, key_axis=0,
+                                    segments=segments)
+  lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
+  delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
   plgpu.barrier_arrive(lse_s.consumed.at[slot])
   plgpu.barrier_arrive(delta_s.consumed.at[slot])
 
@@ -121,21 +131,31 @@ def _q_step(step, carry, *, wg, tile, refs: _Refs, streams, dims, opts):
   return dk, dv
 
 
+def _tile_copies(opts) -> int:
+  """Per-warpgroup tile loads, each on its own barrier: K, V (and the keys' segment ids)."""
+  return 3 if opts.segments else 2
+
+
 def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, opts):
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
   cfg = opts.config
   rows = pl.ds(tile.key0 + wg * cfg.block_kv, cfg.block_kv)
   k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
-  plgpu.copy_gmem_to_smem(refs.k.at[tile.batch, rows, tile.kv_head], k_smem,
-                          tile_ready.at[2 * wg])
-  plgpu.copy_gmem_to_smem(refs.v.at[tile.batch, rows, tile.kv_head], v_smem,
-                          tile_ready.at[2 * wg + 1])
-  plgpu.barrier_wait(tile_ready.at[2 * wg])
-  plgpu.barrier_wait(tile_ready.at[2 * wg + 1])
+  copies = [(refs.k.at[tile.batch, rows, tile.kv_head], k_smem),
+            (refs.v.at[tile.batch, rows, tile.kv_head], v_smem)]
+  if opts.segments:
+    copies.append((refs.masks.kv_ids.at[tile.batch, rows], refs.k_ids_smem.at[wg]))
+  n = _tile_copies(opts)
+  for i, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst, tile_ready.at[n * wg + i])
+  for i in range(len(copies)):
+    plgpu.barrier_wait(tile_ready.at[n * wg + i])
+  # The keys' ids, per row of a (keys, queries) block.
+  k_ids = plgpu.load(refs.k_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
-  step = functools.partial(_q_step, wg=wg, tile=tile, refs=refs, streams=streams, dims=dims,
-                           opts=opts)
+  step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
+                           dims=dims, opts=opts)
   dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
@@ -146,7 +166,10 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   plgpu.wait_smem_to_gmem(0)
 
 
-def _streams(tile: _Tile, refs: _Refs, barriers, dims, cfg) -> tuple:
+def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
+  """Q, dO, the LSE, δ (and the queries' segment ids) of each step's query block."""
+  cfg = opts.config
+
   def rows(step):
     head, q0 = _step_rows(step, tile, dims, cfg)
     return head, pl.ds(q0, cfg.block_q)
@@ -157,14 +180,17 @@ def _streams(tile: _Tile, refs: _Refs, barriers, dims, cfg) -> tuple:
   def vector(ref):
     return lambda step: ref.at[tile.batch, rows(step)[0], rows(step)[1]]
 
-  srcs = (block(refs.q), block(refs.do), vector(refs.lse), vector(refs.delta))
-  rings = (refs.q_ring, refs.do_ring, refs.lse_ring, refs.delta_ring)
+  srcs = [block(refs.q), block(refs.do), vector(refs.lse), vector(refs.delta)]
+  rings = [refs.q_ring, refs.do_ring, refs.lse_ring, refs.delta_ring]
+  if opts.segments:
+    srcs.append(lambda step: refs.masks.q_ids.at[tile.batch, rows(step)[1]])
+    rings.append(refs.q_ids_ring)
   return tuple(pipeline.Stream(src, ring, ready, consumed)
                for src, ring, (ready, consumed) in zip(srcs, rings, barriers))
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
-  kv_lens, dk, dv = rest if opts.kv_lens else (None, *rest)
+  masks, (dk, dv) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -175,19 +201,23 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       common.smem_tile((stages, cfg.block_q, dims.head_dim), dims.dtype),
       plgpu.SMEM((stages, cfg.block_q), jnp.float32),
       plgpu.SMEM((stages, cfg.block_q), jnp.float32),
+      plgpu.SMEM((wgs, cfg.block_kv), jnp.int32) if opts.segments else None,
+      plgpu.SMEM((stages, cfg.block_q), jnp.int32) if opts.segments else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,
                                      interpret=opts.interpret)
-  barriers = (plgpu.Barrier(num_barriers=2 * wgs),
-              *(b for _ in range(4) for b in pipeline.stream_barrier_types(stages)))
+  num_streams = 5 if opts.segments else 4
+  barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
+              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
 
-  def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *rest):
+  def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
+             *rest):
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
-                 delta_ring, rest[0] if staging else None)
+                 delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
-    tile = _tile(kv_lens, dims, opts)
+    tile = _tile(masks, dims, opts)
     streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
-                       cfg)
+                       opts)
     num_steps = dims.group * tile.steps_per_head
     common.specialize(
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),
@@ -196,15 +226,21 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
 
-def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None):
+def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
+        segment_ids=None):
   """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
-  num_kv_tiles = pl.cdiv(k.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv)
+  keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
+  num_kv_tiles = pl.cdiv(k.shape[1], keys)
+  masks = common.MaskInputs.of(kv_lens, segment_ids, opts,
+                              seq_q=pl.cdiv(q.shape[1], cfg.block_q) * cfg.block_q,
+                              seq_kv=num_kv_tiles * keys, block_q=cfg.block_q,
+                              block_kv=cfg.block_kv, tiles_are_keys=True)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      *((kv_lens,) if opts.kv_lens else ()), out_type=out_type,
+      *masks.arrays(), out_type=out_type,
       grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
       grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)

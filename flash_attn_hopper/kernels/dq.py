@@ -5,7 +5,8 @@ warpgroup loads its Q, dO, LSE and δ once, and the producer streams K and V thr
 ring as the forward's, over the same KV block range (`masking.kv_block_range`):
 
     per KV block:
-      S = Q Kᵀ                  element mask on boundary blocks only
+      S = Q Kᵀ                  element mask on boundary blocks only (band, lengths,
+                                segment ids: the keys' ids stream between K and V)
       P = 2^(c·S − LSE)         recomputed from the forward's LSE
       dP = dO Vᵀ
       dS = P ∘ (dP − δ)
@@ -29,9 +30,6 @@ from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 
-_ROWS = plgpu.Layout.WGMMA.reduce(1)
-
-
 class _Refs(NamedTuple):
   q: object
   k: object
@@ -47,6 +45,9 @@ class _Refs(NamedTuple):
   k_ring: object     # (num_stages, block_kv, D)
   v_ring: object
   staging: object    # interpreter only: (compute warpgroups, block_q, block_kv), else None
+  masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
+  q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
+  ids_ring: object = None    # segments: (num_stages, block_kv) int32, the keys' ids
 
 
 class _Tile(NamedTuple):
@@ -55,15 +56,28 @@ class _Tile(NamedTuple):
   row0: jax.Array
 
 
-def _kv_step(step, carry, *, q0, seq_kv, ring0, lse, delta, k_s, v_s, refs: _Refs, staging, q_smem,
-             do_smem, dims, opts, masked):
+def _key_ids(ids_s, slot, load: bool):
+  """With segment ids (`ids_s` is their stream), observes the slot's key ids and loads them
+  when `load`; else None."""
+  if ids_s is None:
+    return None
+  plgpu.barrier_wait(ids_s.ready.at[slot])
+  ids = plgpu.load(ids_s.smem.at[slot], layout=common.COLUMNS) if load else None
+  plgpu.barrier_arrive(ids_s.consumed.at[slot])
+  return ids
+
+
+def _kv_step(step, carry, *, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
+             refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
   plgpu.barrier_wait(k_s.ready.at[slot])
   s = common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
+  k_ids = _key_ids(ids_s, slot, load=masked)
   if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask)
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
+                                   segments=None if k_ids is None else (q_ids, k_ids))
   p = softmax.recompute(s, lse, opts.scale * softmax.LOG2E)
   plgpu.barrier_wait(v_s.ready.at[slot])
   dp = common.matmul(do_smem, refs.v_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
@@ -75,26 +89,35 @@ def _kv_step(step, carry, *, q0, seq_kv, ring0, lse, delta, k_s, v_s, refs: _Ref
   return carry
 
 
-def _release_step(step, _, *, ring0, k_s, v_s, num_stages):
+def _release_step(step, _, *, ring0, streams, num_stages):
   """A block streamed for the other warpgroup only (masks): observe it and free its slot."""
   slot = pipeline.slot_of(ring0 + step, num_stages)
-  for stream in (k_s, v_s):
+  for stream in streams:
     plgpu.barrier_wait(stream.ready.at[slot])
     plgpu.barrier_arrive(stream.consumed.at[slot])
 
 
-def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, block_q: int):
-  """Q, dO, the LSE and δ of this warpgroup's rows, each on its own barrier."""
-  q0 = tile.row0 + wg * block_q
-  rows = pl.ds(q0, block_q)
-  copies = ((refs.q.at[tile.batch, rows, tile.head], refs.q_smem),
+#: Per-warpgroup tile loads, each on its own barrier: Q, dO, the LSE, δ (and the rows' ids).
+def _tile_copies(opts) -> int:
+  return 5 if opts.segments else 4
+
+
+def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, opts):
+  """Q, dO, the LSE and δ of this warpgroup's rows (and their segment ids), each on its own
+  barrier."""
+  q0 = tile.row0 + wg * opts.config.block_q
+  rows = pl.ds(q0, opts.config.block_q)
+  copies = [(refs.q.at[tile.batch, rows, tile.head], refs.q_smem),
             (refs.do.at[tile.batch, rows, tile.head], refs.do_smem),
             (refs.lse.at[tile.batch, tile.head, rows], refs.lse_smem),
-            (refs.delta.at[tile.batch, tile.head, rows], refs.delta_smem))
+            (refs.delta.at[tile.batch, tile.head, rows], refs.delta_smem)]
+  if opts.segments:
+    copies.append((refs.masks.q_ids.at[tile.batch, rows], refs.q_ids_smem))
+  n = _tile_copies(opts)
   for i, (src, dst) in enumerate(copies):
-    plgpu.copy_gmem_to_smem(src, dst.at[wg], tile_ready.at[4 * wg + i])
+    plgpu.copy_gmem_to_smem(src, dst.at[wg], tile_ready.at[n * wg + i])
   for i in range(len(copies)):
-    plgpu.barrier_wait(tile_ready.at[4 * wg + i])
+    plgpu.barrier_wait(tile_ready.at[n * wg + i])
   return q0
 
 
@@ -104,16 +127,19 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   released (as in the forward)."""
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
   cfg = opts.config
-  q0 = _load_tile(wg, tile, refs, tile_ready, cfg.block_q)
-  k_s, v_s = streams
+  q0 = _load_tile(wg, tile, refs, tile_ready, opts)
+  k_s, *ids_s, v_s = streams
+  q_ids = plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
   ring0 = -cta.first
   step = functools.partial(
-      _kv_step, q0=q0, seq_kv=seq_kv, ring0=ring0, lse=plgpu.load(refs.lse_smem.at[wg], layout=_ROWS),
-      delta=plgpu.load(refs.delta_smem.at[wg], layout=_ROWS), k_s=k_s, v_s=v_s, refs=refs,
+      _kv_step, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0,
+      lse=plgpu.load(refs.lse_smem.at[wg], layout=common.ROWS),
+      delta=plgpu.load(refs.delta_smem.at[wg], layout=common.ROWS), k_s=k_s, v_s=v_s,
+      ids_s=ids_s[0] if ids_s else None, refs=refs,
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
-  own = masking.kv_block_range(opts.mask, q0, cfg.block_q, seq_kv, cfg.block_kv).within(cta)
-  release = functools.partial(_release_step, ring0=ring0, k_s=k_s, v_s=v_s,
+  own = _kv_blocks(tile, q0, cfg.block_q, seq_kv, refs, opts).within(cta)
+  release = functools.partial(_release_step, ring0=ring0, streams=streams,
                               num_stages=cfg.num_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
   dq = common.walk_blocks(cta, own, step, release, dq)
@@ -125,8 +151,20 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   plgpu.wait_smem_to_gmem(0)
 
 
+def _kv_blocks(tile: _Tile, q0, rows: int, seq_kv, refs: _Refs, opts) -> masking.BlockRange:
+  """The KV blocks the rows [q0, q0 + rows) saw in the forward: the band's, narrowed to the
+  blocks that share a segment with them."""
+  cfg = opts.config
+  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, cfg.block_kv)
+  if not opts.segments:
+    return band
+  spans = [masking.BlockRange.read(refs.masks.spans, tile.batch, q0 // cfg.block_q + i)
+           for i in range(rows // cfg.block_q)]
+  return band.intersect(functools.reduce(masking.BlockRange.union, spans))
+
+
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
-  kv_lens, dq = rest if opts.kv_lens else (None, *rest)
+  masks, (dq,) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -137,27 +175,34 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
       common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
       common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
+      plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
+      plgpu.SMEM((stages, cfg.block_kv), jnp.int32) if opts.segments else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
-  barriers = (plgpu.Barrier(num_barriers=4 * wgs), *pipeline.stream_barrier_types(stages),
-              *pipeline.stream_barrier_types(stages))
+  num_streams = 3 if opts.segments else 2  # K, (the keys' ids,) V
+  barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
+              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
 
-  def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *rest):
+  def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, q_ids_smem, ids_ring,
+             *rest):
     refs = _Refs(q, k, v, do, lse, delta, dq, q_smem, do_smem, lse_smem, delta_smem, k_ring,
-                 v_ring, rest[0] if staging else None)
-    tile_ready, k_ready, k_consumed, v_ready, v_consumed = rest[len(staging):]
+                 v_ring, rest[0] if staging else None, masks, q_ids_smem, ids_ring)
+    tile_ready, *ring_barriers = rest[len(staging):]
     tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
                  row0=lax.axis_index("q_tile") * wgs * cfg.block_q)
     kv_head = tile.head // dims.group
-    seq_kv = common.keys_of(tile.batch, kv_lens, dims)
-    cta = masking.kv_block_range(opts.mask, tile.row0, wgs * cfg.block_q, seq_kv, cfg.block_kv)
+    seq_kv = common.keys_of(tile.batch, masks.kv_lens, dims)
+    cta = _kv_blocks(tile, tile.row0, wgs * cfg.block_q, seq_kv, refs, opts)
     rows = lambda step: pl.ds((cta.first + step) * cfg.block_kv, cfg.block_kv)
-    streams = (
-        pipeline.Stream(lambda step: k.at[tile.batch, rows(step), kv_head], k_ring, k_ready,
-                        k_consumed),
-        pipeline.Stream(lambda step: v.at[tile.batch, rows(step), kv_head], v_ring, v_ready,
-                        v_consumed))
+    srcs = [lambda step: k.at[tile.batch, rows(step), kv_head],
+            lambda step: v.at[tile.batch, rows(step), kv_head]]
+    rings = [k_ring, v_ring]
+    if opts.segments:  # The keys' ids go between K and V.
+      srcs.insert(1, lambda step: masks.kv_ids.at[tile.batch, rows(step)])
+      rings.insert(1, ids_ring)
+    streams = tuple(pipeline.Stream(src, ring, ready, consumed) for src, ring, ready, consumed
+                    in zip(srcs, rings, ring_barriers[::2], ring_barriers[1::2]))
     common.specialize(
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, seq_kv, dims,
                                       opts),
@@ -166,13 +211,17 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
 
-def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None):
+def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
+       segment_ids=None):
   """dQ (B, T, N, D) in Q's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
-  num_q_tiles = pl.cdiv(q.shape[1], pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q)
+  rows = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q
+  num_q_tiles = pl.cdiv(q.shape[1], rows)
+  masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_q_tiles * rows,
+                              seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      *((kv_lens,) if opts.kv_lens else ()), out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      *masks.arrays(), out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
       name="flash_attn_hopper_dq", interpret=opts.interpret)

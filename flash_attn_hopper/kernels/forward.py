@@ -7,15 +7,17 @@ each compute warpgroup runs:
 
     prologue   wait for its Q tile (TMA, issued under the previous tile's epilogue);
                m = −inf, l = 0, O = 0
-    kv_loop    for each visited KV block (masking.kv_block_range):
+    kv_loop    for each visited KV block (masking.kv_block_range, narrowed to the blocks
+               that share a segment with the tile when segment ids come along):
                  S = Q Kᵀ                      wgmma into a fresh accumulator
-                 mask S                        edge blocks of the band only
+                 mask S                        edge blocks of the band or a segment only
                  m, l, P, α = softmax.update   base 2, scale folded into the exponent
                  O = α·O + P V                 P from registers; O re-enters the tensor cores
     epilogue   O / l and the LSE through shared memory and TMA
 
 Rows past T and keys past S are zero-filled by TMA on load and clipped on store; keys past S
-are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work.
+are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work. With segment ids, each warpgroup's
+rows' ids come with its Q tile and the keys' ids stream through the ring between K and V.
 """
 
 from __future__ import annotations
@@ -62,15 +64,27 @@ class _Refs(NamedTuple):
   v_smem: object
   lse_smem: object  # (compute warpgroups, block_q) float32
   p_staging: object  # interpreter only: (compute warpgroups, block_q, block_kv), else None
-  kv_lens: object = None  # (B,) int32 in global memory, or None
+  masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
+  q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
+  ids_ring: object = None    # segments: (num_stages, block_kv) int32, the keys' ids
 
 
-def _kv_step(step, carry, *, refs, bars, dims, opts, q0, seq_kv, ring0, end, q_smem,
+def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
+  """With segment ids, observes the slot's key ids (and loads them when `load`); else None."""
+  if refs.ids_ring is None:
+    return None
+  plgpu.barrier_wait(bars.ids_ready.at[slot])
+  ids = plgpu.load(refs.ids_ring.at[slot], layout=common.COLUMNS) if load else None
+  plgpu.barrier_arrive(bars.ids_consumed.at[slot])
+  return ids
+
+
+def _kv_step(step, carry, *, refs, bars, dims, opts, q0, q_ids, seq_kv, ring0, end, q_smem,
              p_staging, masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
   `ring0 + step` is block `step`'s ring position (the ring runs on across tiles); `end` is
-  the end of this warpgroup's blocks."""
+  the end of this warpgroup's blocks; `q_ids` are its rows' segment ids, or None."""
   acc, state = carry
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
@@ -82,8 +96,10 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, seq_kv, ring0, end, q_s
 
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
+  k_ids = _key_ids(bars, refs, slot, load=masked)
   if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask)
+    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
+                                   segments=None if k_ids is None else (q_ids, k_ids))
   state, p, alpha = softmax.update(state, s, opts.scale * softmax.LOG2E)
   acc = softmax.rescale(acc, alpha)
   p16 = p.astype(dims.dtype)
@@ -116,10 +132,11 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, seq_kv, ring0, end, q_s
   return acc, state
 
 
-def _release_step(step, _, *, bars, opts, ring0):
+def _release_step(step, _, *, refs, bars, opts, ring0):
   """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
+  _key_ids(bars, refs, slot, load=False)
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
@@ -128,31 +145,41 @@ def _release_step(step, _, *, bars, opts, ring0):
   bars.sync_schedule()
 
 
-def _kv_blocks(q0, rows: int, seq_kv, opts: ForwardOptions) -> masking.BlockRange:
-  return masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.block_kv)
+def _kv_blocks(tile: scheduler.Tile, q0, rows: int, refs: _Refs, dims, opts: ForwardOptions):
+  """The KV blocks that the rows [q0, q0 + rows) of a tile visit: the band's, narrowed to
+  the blocks that share a segment with them."""
+  cfg = opts.config
+  seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
+  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, cfg.block_kv)
+  if not opts.segments:
+    return band
+  spans = [masking.BlockRange.read(refs.masks.spans, tile.batch, q0 // cfg.block_q + i)
+           for i in range(rows // cfg.block_q)]
+  return band.intersect(functools.reduce(masking.BlockRange.union, spans))
 
 
 def _cta_kv_blocks(tile: scheduler.Tile, refs: _Refs, dims: common.Dims, opts: ForwardOptions):
   """KV blocks the producer streams for a tile: every block either warpgroup visits."""
-  seq_kv = common.keys_of(tile.batch, refs.kv_lens, dims)
-  return _kv_blocks(tile.row0, opts.config.rows_per_cta, seq_kv, opts)
+  return _kv_blocks(tile, tile.row0, opts.config.rows_per_cta, refs, dims, opts)
 
 
-def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers, dims, opts):
+def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.Barriers, dims,
+            opts):
   """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state.
 
   The CTA streams blocks [cta.first, cta.end); this warpgroup computes on its own part of
   them and releases the rest, so that both warpgroups keep the same beat on the ring."""
   cfg = opts.config
   q0 = tile.row0 + wg * cfg.block_q
-  seq_kv = common.keys_of(tile.batch, refs.kv_lens, dims)
+  seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
   cta = _cta_kv_blocks(tile, refs, dims, opts)
-  own = _kv_blocks(q0, cfg.block_q, seq_kv, opts).within(cta)
+  own = _kv_blocks(tile, q0, cfg.block_q, refs, dims, opts).within(cta)
   ring0 = ring0 - cta.first  # Ring position of block 0.
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, q0=q0,
-                           seq_kv=seq_kv, ring0=ring0, end=own.end, q_smem=refs.q_smem.at[wg],
+                           q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
+                           q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
-  release = functools.partial(_release_step, bars=bars, opts=opts, ring0=ring0)
+  release = functools.partial(_release_step, refs=refs, bars=bars, opts=opts, ring0=ring0)
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
@@ -163,9 +190,22 @@ def _attend(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barrier
 
 
 def _load_q(wg, tile: scheduler.Tile, refs: _Refs, bars: pipeline.Barriers, block_q: int):
+  """The warpgroup's Q tile, and with segment ids its rows' ids, each on its own barrier."""
   rows = pl.ds(tile.row0 + wg * block_q, block_q)
   plgpu.copy_gmem_to_smem(refs.q.at[tile.batch, rows, tile.head], refs.q_smem.at[wg],
                           bars.q_ready.at[wg])
+  if refs.q_ids_smem is not None:
+    plgpu.copy_gmem_to_smem(refs.masks.q_ids.at[tile.batch, rows], refs.q_ids_smem.at[wg],
+                            bars.q_ids_ready.at[wg])
+
+
+def _wait_q(wg, refs: _Refs, bars: pipeline.Barriers):
+  """Waits for the warpgroup's Q tile; returns its rows' segment ids (registers) or None."""
+  plgpu.barrier_wait(bars.q_ready.at[wg])
+  if refs.q_ids_smem is None:
+    return None
+  plgpu.barrier_wait(bars.q_ids_ready.at[wg])
+  return plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS)
 
 
 def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, opts):
@@ -182,8 +222,8 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     load_next_q = functools.partial(
         pl.when(i + 1 < num_items),
         lambda: _load_q(wg, sched.tile(cta, i + 1), refs, bars, cfg.block_q))
-    plgpu.barrier_wait(bars.q_ready.at[wg])
-    acc, state = _attend(wg, tile, ring0, refs, bars, dims, opts)
+    q_ids = _wait_q(wg, refs, bars)
+    acc, state = _attend(wg, tile, ring0, q_ids, refs, bars, dims, opts)
     if separate_o:  # Q is free now: fetch the next tile's under this epilogue.
       load_next_q()
     out, lse = softmax.finalize(state, acc)
@@ -225,13 +265,16 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
     rows = lambda step: pl.ds((blocks.first + step) * cfg.block_kv, cfg.block_kv)
     streams = bars.kv_streams(lambda step: refs.k.at[tile.batch, rows(step), kv_head],
                               lambda step: refs.v.at[tile.batch, rows(step), kv_head],
-                              refs.k_smem, refs.v_smem)
+                              refs.k_smem, refs.v_smem,
+                              lambda step: refs.masks.kv_ids.at[tile.batch, rows(step)],
+                              refs.ids_ring)
     num_steps = blocks.end - blocks.first
     pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
     return ring0 + num_steps
 
   total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
-  pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem), total, cfg.num_stages)
+  pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring),
+                 total, cfg.num_stages)
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
@@ -240,34 +283,37 @@ def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims,
 
 
 def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOptions):
-  kv_lens_ref, o_ref, lse_ref = rest if opts.kv_lens else (None, *rest)
+  masks, (o_ref, lse_ref) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
-  separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True)
+  separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True, segments=opts.segments)
   scratch = (
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
       common.smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
       common.smem_tile((cfg.num_stages, cfg.block_kv, dims.head_dim), dims.dtype),
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
+      plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
+      plgpu.SMEM((cfg.num_stages, cfg.block_kv), jnp.int32) if opts.segments else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
 
-  def scoped(q_smem, o_smem, k_smem, v_smem, lse_smem, *rest):
+  def scoped(q_smem, o_smem, k_smem, v_smem, lse_smem, q_ids_smem, ids_ring, *rest):
     p_staging = rest[0] if staging else None
     barriers = pipeline.Barriers(*rest[len(staging):])
     refs = _Refs(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem,
                  q_smem if o_smem is None else o_smem, k_smem, v_smem, lse_smem, p_staging,
-                 kv_lens_ref)
+                 masks, q_ids_smem, ids_ring)
     _cta_body(refs, barriers, sched=sched, dims=dims, opts=opts)
 
-  pl.run_scoped(scoped, *scratch, *staging, *pipeline.Barriers.types(cfg.num_stages),
+  pl.run_scoped(scoped, *scratch, *staging,
+                *pipeline.Barriers.types(cfg.num_stages, segments=opts.segments),
                 collective_axes="wg")
 
 
-def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None):
+def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=None):
   """Runs the kernel on canonical inputs.
 
   Args:
@@ -275,6 +321,8 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None):
     k, v: (B, S, K, D), same dtype, N % K == 0, S ≥ block_kv (the api pads tiny S).
     opts: static options.
     kv_lens: (B,) int32 keys per batch element, given exactly when `opts.kv_lens`.
+    segment_ids: `masking.SegmentIds` of (B, T) and (B, S), given exactly when
+      `opts.segments`.
 
   Returns:
     out (B, T, N, D) in q's dtype, and the LSE (B, N, T_tiles) in float32 (natural log),
@@ -290,8 +338,9 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None):
                          paired=opts.mask.upper is not None and opts.mask.left is None)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
-  lens = (kv_lens,) if opts.kv_lens else ()
+  masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_tiles * cfg.rows_per_cta,
+                              seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
   return common.launch(
-      functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v, *lens,
+      functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v, *masks.arrays(),
       out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
       name="flash_attn_hopper_fwd", interpret=opts.interpret)
