@@ -1,15 +1,16 @@
 """The speed table of the masks issue: `python -m bench.masks [--tokens 32768] [--repeats 10]`.
 
-Times three things in one run on a Hopper GPU, forward and forward+backward, bf16, D 128,
+Times four things in one run on a Hopper GPU, forward and forward+backward, bf16, D 128,
 16 query heads over 4 KV heads:
 
 - sliding window: a 1k causal window at T = S = 32k, against dense causal over the same T (the
   window's cost should follow the window: ≥ 5× faster);
 - a window that leaves every tile fully visible (left = right = T): against no mask at all
   (its overhead should stay under 3%);
-- padding: key_value_seq_lengths at half of S for every batch element, against no lengths.
+- padding: key_value_seq_lengths at half of S for every batch element, against no lengths;
+- packed sequences: 8 equal causal documents at T = S = 16k (`--packed-tokens`), as segment ids,
+  against dense causal over the same T (the documents should cost about 1/8 of it).
 
-Packed sequences (segment ids) join when the kernels have them (docs/masks.md).
 Each line prints the two medians and their ratio; off Hopper, tiny shapes run in interpret mode
 with the wall-clock timer (a smoke run only).
 """
@@ -25,6 +26,9 @@ import numpy as np
 
 import flash_attn_hopper as fah
 from bench import timing
+
+#: Documents packed into one sequence for the segment-ids pair: equal and contiguous.
+PACKED_DOCUMENTS = 8
 
 
 def _time(fn, args, timer: str, repeats: int) -> float:
@@ -45,33 +49,42 @@ def _program(attn, pass_name: str):
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=32768, help="T = S")
+  parser.add_argument("--packed-tokens", type=int, default=16384, help="T = S when packed")
   parser.add_argument("--window", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--timer", default="auto", choices=timing.TIMERS)
   args = parser.parse_args()
   on_gpu = fah.api.on_hopper()
   t = args.tokens if on_gpu else 256
+  t_packed = args.packed_tokens if on_gpu else 256
   window = args.window if on_gpu else 64
   timer = timing.resolve_timer(args.timer)
   rng = np.random.default_rng(0)
   make = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
   b, n, kv, d = 1, 16, 4, 128
-  q, k, v, dout = make((b, t, n, d)), make((b, t, kv, d)), make((b, t, kv, d)), make((b, t, n, d))
   op = functools.partial(fah.dot_product_attention, interpret=not on_gpu)
   half = jnp.full((b,), t // 2, jnp.int32)
+  docs = PACKED_DOCUMENTS
+  documents = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), -(-t_packed // docs))[:t_packed]
+  # name: (T = S, the masked op's arguments, the baseline's).
   pairs = {
       f"window {window} causal vs dense causal": (
-          dict(is_causal=True, local_window_size=(window, 0)), dict(is_causal=True)),
-      "fully visible window vs no mask": (dict(local_window_size=(t, t)), {}),
-      "kv lengths S/2 vs none": (dict(key_value_seq_lengths=half), {}),
+          t, dict(is_causal=True, local_window_size=(window, 0)), dict(is_causal=True)),
+      "fully visible window vs no mask": (t, dict(local_window_size=(t, t)), {}),
+      "kv lengths S/2 vs none": (t, dict(key_value_seq_lengths=half), {}),
+      f"packed: {docs} causal documents vs dense causal": (
+          t_packed, dict(segment_ids=documents, is_causal=True), dict(is_causal=True)),
   }
-  print(f"T = S = {t}, B {b}, N {n}, K {kv}, D {d}, bf16, timer {timer}, median of "
-        f"{args.repeats} (ms)")
-  for name, (masked, base) in pairs.items():
+  print(f"B {b}, N {n}, K {kv}, D {d}, bf16, timer {timer}, median of {args.repeats} (ms)")
+  inputs = {}
+  for name, (seq, masked, base) in pairs.items():
+    if seq not in inputs:
+      inputs[seq] = (make((b, seq, n, d)), make((b, seq, kv, d)), make((b, seq, kv, d)),
+                     make((b, seq, n, d)))
     for pass_name in ("fwd", "fwd+bwd"):
       t_masked, t_base = (_time(_program(functools.partial(op, **kw), pass_name),
-                                (q, k, v, dout), timer, args.repeats) for kw in (masked, base))
-      print(f"{name:40s} {pass_name:8s} {t_masked:9.3f} {t_base:9.3f}  "
+                                inputs[seq], timer, args.repeats) for kw in (masked, base))
+      print(f"{name:44s} T {seq:6d} {pass_name:8s} {t_masked:9.3f} {t_base:9.3f}  "
             f"base/masked {t_base / t_masked:5.2f}x", flush=True)
   return 0
 

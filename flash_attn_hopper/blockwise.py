@@ -13,7 +13,8 @@ as in the kernels:
       dVⱼ = Pᵀ dO                      dP = dO Vⱼᵀ
       dS = P ∘ (dP − δ)                dQ += dS Kⱼ · scale,  dKⱼ = dSᵀ Q · scale
 
-GQA sums dK and dV over each query-head group inside the einsums.
+GQA sums dK and dV over each query-head group inside the einsums. Segment ids (packed
+sequences) add one condition to the mask: the key ids travel through the scan with the keys.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ BLOCK_KV = 256
 
 
 def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
-                       seq_kv: int | None = None, kv_lens=None, block_kv: int = BLOCK_KV):
+                       seq_kv: int | None = None, kv_lens=None,
+                       segment_ids: masking.SegmentIds | None = None,
+                       block_kv: int = BLOCK_KV):
   """Gradients of attention with respect to q, k and v, from the forward's residuals.
 
   Args:
@@ -38,6 +41,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     scale: the logits' scale. mask: the visible band (causal, window, alignment).
     seq_kv: keys at or past it are masked (K/V were padded); None: all keys count.
     kv_lens: None, or (B,) int32 keys per batch element (`key_value_seq_lengths`).
+    segment_ids: None, or `masking.SegmentIds` with q (B, T) and kv (B, S) int32 (as padded
+      like q and k): query i sees key j only if their ids are equal.
 
   Returns:
     (dq, dk, dv), shaped and typed like (q, k, v).
@@ -62,14 +67,22 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
                                                                        None]
   rows = lax.broadcasted_iota(jnp.int32, (t, block_kv), 0)
   cols = lax.broadcasted_iota(jnp.int32, (t, block_kv), 1)
+  kv_ids = q_ids = None
+  if segment_ids is not None:
+    # Edge-padded to whole blocks (the padded keys are masked by `limit`): (blocks, B, block).
+    kv_ids = jnp.pad(segment_ids.kv, ((0, 0), (0, pad)), mode="edge")
+    kv_ids = jnp.moveaxis(kv_ids.reshape(b, num_blocks, block_kv), 1, 0)
+    q_ids = segment_ids.q[:, None, None, :, None]
 
   def step(dq, xs):
-    j, kj, vj = xs
+    j, kj, vj, ids_j = xs
     keys = j * block_kv + cols
     visible = keys < limit
     band = mask.visible(rows, keys)
     if band is not None:
       visible = visible & band
+    if ids_j is not None:
+      visible = visible & (q_ids == ids_j[:, None, None, None, :])
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32)
     p = jnp.where(visible, jnp.exp(logits * scale - lse[..., None]), 0.0)
     dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), dog,
@@ -81,7 +94,7 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     return dq, (dk, dv)
 
   dq0 = jnp.zeros((b, t, kv_heads, group, d), jnp.float32)
-  dq, (dk, dv) = lax.scan(step, dq0, (jnp.arange(num_blocks), blocks(k), blocks(v)))
+  dq, (dk, dv) = lax.scan(step, dq0, (jnp.arange(num_blocks), blocks(k), blocks(v), kv_ids))
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, num_blocks * block_kv, kv_heads, d)[:, :s]
   return ((dq * scale).reshape(q.shape).astype(q.dtype),
           (unblock(dk) * scale).astype(k.dtype),

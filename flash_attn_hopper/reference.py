@@ -8,6 +8,8 @@ Mask semantics follow `jax.nn.dot_product_attention`:
 - `local_window_size=(left, right)` lets query i see keys j with i - left <= j <= i + right.
 - `query_seq_lengths` / `key_value_seq_lengths` mask padding; output rows past a query's length
   are zero.
+- `segment_ids` (packed sequences, which `jax.nn` lacks): query i of batch element b sees key j
+  only when their segment ids are equal, on top of the other masks.
 - A row whose every key is masked takes a uniform softmax over its keys (masked logits become a
   large finite negative number, as in `jax.nn`'s XLA path), so it returns the mean of V.
 """
@@ -18,15 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flash_attn_hopper import masking
+
 
 def _as_4d(x):
   return None if x is None else jnp.reshape(x, (1,) * (4 - x.ndim) + x.shape)
 
 
-def _logits_mask(t, s, mask, is_causal, q_lens, kv_lens, window, offset=0):
+def _logits_mask(t, s, mask, is_causal, q_lens, kv_lens, window, offset=0, segments=None):
   """A boolean (B|1, N|1, T, S) mask of visible logits, or None when all are visible.
 
-  `offset` shifts the diagonal that causality and the window follow (S − T: bottom-right)."""
+  `offset` shifts the diagonal that causality and the window follow (S − T: bottom-right);
+  `segments` is None or a (B, T), (B, S) `masking.SegmentIds`."""
   q_pos = jnp.arange(t)[:, None] + offset
   k_pos = jnp.arange(s)[None, :]
   visible = None
@@ -45,6 +50,8 @@ def _logits_mask(t, s, mask, is_causal, q_lens, kv_lens, window, offset=0):
     visible = both(visible, (jnp.arange(t)[None, :] < q_lens[:, None])[:, None, :, None])
   if kv_lens is not None:
     visible = both(visible, (jnp.arange(s)[None, :] < kv_lens[:, None])[:, None, None, :])
+  if segments is not None:
+    visible = both(visible, segments.q[:, None, :, None] == segments.kv[:, None, None, :])
   return visible
 
 
@@ -61,7 +68,7 @@ def band_mask(t: int, s: int, *, is_causal=False, local_window_size=None,
 
 def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
-                        local_window_size=None, return_residual=False,
+                        local_window_size=None, segment_ids=None, return_residual=False,
                         causal_alignment="top_left"):
   """Attention in float32 with `jax.nn.dot_product_attention`'s semantics.
 
@@ -71,6 +78,10 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
     bias, mask: broadcastable to (B, N, T, S); mask is boolean, True means "attend".
     scale: multiplies the logits; default 1/sqrt(H).
     is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size: as in `jax.nn`.
+    segment_ids: None; a `masking.SegmentIds` or (q_ids, kv_ids) pair of integer (B, T) and
+      (B, S) arrays ((T,) and (S,): the same for every batch element); or, when T == S, one
+      array for both. Query i of batch element b sees key j only if q_ids[b, i] == kv_ids[b, j].
+      A query whose segment has no visible key returns the mean of V, like any masked row.
     return_residual: also return the float32 log-sum-exp of the scaled logits, shape (B, T, N).
     causal_alignment: 'top_left' (jax.nn's) or 'bottom_right' (query i's diagonal is key
       i + S − T), for the causal mask and the window alike.
@@ -96,7 +107,8 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
     logits = logits + _as_4d(jnp.asarray(bias, compute))
   visible = _logits_mask(t, s, None if mask is None else _as_4d(jnp.asarray(mask, bool)),
                          is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size,
-                         offset=s - t if causal_alignment == "bottom_right" else 0)
+                         offset=s - t if causal_alignment == "bottom_right" else 0,
+                         segments=masking.as_segment_ids(segment_ids, b, t, s))
   if visible is not None:
     logits = jnp.where(visible, logits, jnp.asarray(-0.7 * np.finfo(np.float32).max, compute))
   lse = jax.nn.logsumexp(logits, axis=-1)                                   # (B, N, T)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flash_attn_hopper import masking
 from flash_attn_hopper import reference
 
 #: The kernel may be this many times as far from the reference as the naive implementation.
@@ -28,9 +29,33 @@ def random_qkv(rng: np.random.Generator, workload, dtype=None):
   return make(workload.q_shape), make(workload.kv_shape), make(workload.kv_shape)
 
 
-def naive_attention(q, k, v, *, causal_alignment="top_left", **kwargs):
+def random_segment_ids(rng: np.random.Generator, batch: int, length: int,
+                       max_segments: int) -> np.ndarray:
+  """(B, L) int32 ids of packed documents: each row is 1..max_segments contiguous runs of
+  random lengths (a run may be a single token), with increasing ids from a random start."""
+  ids = np.empty((batch, length), np.int32)
+  for row in ids:
+    count = rng.integers(1, min(max_segments, length) + 1)
+    starts = np.sort(rng.choice(np.arange(1, length), count - 1, replace=False))
+    row[:] = rng.integers(0, 4) + np.searchsorted(starts, np.arange(length), side="right")
+  return ids
+
+
+def segment_mask(segment_ids, batch: int, seq_q: int, seq_kv: int):
+  """`segment_ids` (any form the op accepts) as the equivalent boolean (B, 1, T, S) mask."""
+  ids = masking.as_segment_ids(segment_ids, batch, seq_q, seq_kv)
+  return ids.q[:, None, :, None] == ids.kv[:, None, None, :]
+
+
+def naive_attention(q, k, v, *, causal_alignment="top_left", segment_ids=None, **kwargs):
   """The baseline: jax.nn's XLA attention in the inputs' own dtype (a bottom-right
-  alignment, which jax.nn lacks, goes in as an explicit mask)."""
+  alignment and segment ids, which jax.nn lacks, go in as an explicit mask)."""
+  if segment_ids is not None:
+    batch = q.shape[0] if q.ndim == 4 else 1
+    same = segment_mask(segment_ids, batch, q.shape[-3], k.shape[-3])
+    same = same if q.ndim == 4 else same[0]
+    mask = kwargs.pop("mask", None)
+    kwargs["mask"] = same if mask is None else jnp.logical_and(mask, same)
   if causal_alignment != "top_left":
     band = reference.band_mask(q.shape[-3], k.shape[-3], is_causal=kwargs.pop("is_causal", False),
                                local_window_size=kwargs.pop("local_window_size", None),

@@ -65,3 +65,27 @@ def test_key_lengths_per_batch_element(rng):
                                        dout, scale=0.1, mask=masking.MaskSpec(),
                                        kv_lens=kv_lens, block_kv=64)
   testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens, scale=0.1)
+
+
+@pytest.mark.parametrize("w", SHAPES, ids=lambda w: w.name)
+@pytest.mark.parametrize("is_causal", (False, True))
+def test_segment_ids(rng, w, is_causal):
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  ids = masking.SegmentIds(
+      jnp.asarray(testing.random_segment_ids(rng, w.batch, w.seq_q, 5)),
+      jnp.asarray(testing.random_segment_ids(rng, w.batch, w.seq_kv, 5)))
+  # A query whose segment has no visible key gets jax.nn's mean of V from the op, not from
+  # this backward: a zero cotangent there leaves the two gradients equal.
+  visible = testing.segment_mask(ids, w.batch, w.seq_q, w.seq_kv)[:, 0]
+  if is_causal:
+    visible &= jnp.tril(jnp.ones((w.seq_q, w.seq_kv), bool))
+  seen = visible.any(axis=-1)[:, :, None, None]
+  dout = jnp.where(seen, jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16), 0)
+  out, lse = reference.attention_reference(q, k, v, is_causal=is_causal, segment_ids=ids,
+                                           scale=0.15, return_residual=True)
+  grads = blockwise.attention_backward(q, k, v, out.astype(q.dtype), jnp.swapaxes(lse, 1, 2),
+                                       dout, scale=0.15,
+                                       mask=masking.MaskSpec(is_causal=is_causal),
+                                       segment_ids=ids, block_kv=64)
+  testing.check_gradients(grads, q, k, v, dout, is_causal=is_causal, segment_ids=ids,
+                          scale=0.15)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from flash_attn_hopper import masking
@@ -89,3 +93,57 @@ def test_empty_rows():
 def test_empty_rows_match_brute_force(spec, seq_q, seq_kv):
   vis = _visible(spec, np.arange(seq_q), np.arange(seq_kv), seq_kv)
   np.testing.assert_array_equal(masking.empty_rows(spec, seq_q, seq_kv), ~vis.any(axis=1))
+
+
+@st.composite
+def id_rows(draw, length):
+  """(1, length) int32 segment ids: sorted runs (packing) or arbitrary, from few values."""
+  ids = draw(st.lists(st.integers(0, 4), min_size=length, max_size=length))
+  return np.array([sorted(ids) if draw(st.booleans()) else ids], np.int32)
+
+
+_segment_spans = jax.jit(masking.segment_spans, static_argnums=(2, 3))
+
+
+# Few lengths (each new shape compiles): whole, partial and single blocks.
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), seq_rows=st.sampled_from([1, 16, 37]), seq_cols=st.sampled_from([3, 16, 37]),
+       row_block=st.sampled_from([1, 4, 8]), col_block=st.sampled_from([1, 4, 8]))
+def test_segment_spans_cover_every_meeting_and_only_full_blocks_are_unmasked(
+    data, seq_rows, seq_cols, row_block, col_block):
+  rows, cols = data.draw(id_rows(seq_rows)), data.draw(id_rows(seq_cols))
+  spans = np.asarray(_segment_spans(rows, cols, row_block, col_block))[0]
+  row_blocks, col_blocks = -(-seq_rows // row_block), -(-seq_cols // col_block)
+  assert spans.shape == (row_blocks, 4) and spans.dtype == np.int32
+  same = rows[0][:, None] == cols[0][None, :]
+  for r in range(row_blocks):
+    first, full_lo, full_hi, end = spans[r]
+    assert 0 <= first <= full_lo <= full_hi <= end <= col_blocks
+    for c in range(col_blocks):
+      block = same[r * row_block:(r + 1) * row_block, c * col_block:(c + 1) * col_block]
+      if block.any():
+        assert first <= c < end, f"row block {r} meets col block {c} outside [{first}, {end})"
+      if full_lo <= c < full_hi:
+        assert block.all(), f"col block {c} of row block {r} is unmasked but not all visible"
+
+
+def test_as_segment_ids_forms():
+  ids = np.array([0, 0, 1], np.int32)
+  one = masking.as_segment_ids(ids, 2, 3, 3)
+  assert one.q.shape == one.kv.shape == (2, 3) and one.q.dtype == np.int32
+  pair = masking.as_segment_ids((ids, np.arange(4, dtype=np.int8)), 2, 3, 4)
+  assert pair.kv.shape == (2, 4) and pair.kv.dtype == np.int32
+  assert masking.as_segment_ids(None, 2, 3, 3) is None
+
+
+@pytest.mark.parametrize("segment_ids, seq_kv, error, names", [
+    (np.zeros(3, np.float32), 3, TypeError, "segment_ids.q"),
+    ((np.zeros(3, np.int32), np.zeros(4, np.float32)), 4, TypeError, "segment_ids.kv"),
+    (np.zeros((2, 4), np.int32), 4, ValueError, "segment_ids as one array"),
+    ((np.zeros((3, 3), np.int32), np.zeros(4, np.int32)), 4, ValueError, "segment_ids.q"),
+    ((np.zeros(3, np.int32), np.zeros((2, 5), np.int32)), 4, ValueError, "segment_ids.kv"),
+    ((np.zeros(3, np.int32),), 3, ValueError, "segment_ids"),
+], ids=["float_ids", "float_kv_ids", "one_array_t_ne_s", "q_batch", "kv_length", "not_a_pair"])
+def test_as_segment_ids_errors_name_the_argument(segment_ids, seq_kv, error, names):
+  with pytest.raises(error, match=re.escape(names)):
+    masking.as_segment_ids(segment_ids, 2, 3, seq_kv)

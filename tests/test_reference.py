@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flash_attn_hopper.masking import SegmentIds
 from flash_attn_hopper.reference import attention_reference
 
 # (num_q_heads, num_kv_heads)
@@ -241,3 +242,82 @@ def test_rows_past_query_length_are_zero(rng):
   out = np.asarray(attention_reference(q, k, v, query_seq_lengths=np.array([6, 2], np.int32)))
   assert np.all(out[1, 2:] == 0)
   assert np.all(out[0] != 0) and np.all(out[1, :2] != 0)
+
+
+def numpy_segment_attention(q, k, v, q_ids, kv_ids, *, is_causal):
+  """Attention with segment ids in float64, one (batch, head, query) at a time, from the
+  definition: the softmax over the keys of the query's segment (and causally before it), or
+  the mean of all of V when there is none. Returns (out BTNH, lse BTN; NaN for no keys)."""
+  batch, seq_q, num_q_heads, head_dim = q.shape
+  seq_kv, group = k.shape[1], num_q_heads // k.shape[2]
+  out = np.zeros(q.shape)
+  lse = np.full(q.shape[:3], np.nan)
+  for b, i, n in np.ndindex(batch, seq_q, num_q_heads):
+    keys = [j for j in range(seq_kv)
+            if q_ids[b, i] == kv_ids[b, j] and not (is_causal and j > i)]
+    if not keys:
+      out[b, i, n] = v[b, :, n // group].mean(axis=0)
+      continue
+    logits = k[b, keys, n // group] @ q[b, i, n] / np.sqrt(head_dim)
+    weights = np.exp(logits - logits.max())
+    out[b, i, n] = weights @ v[b, keys, n // group] / weights.sum()
+    lse[b, i, n] = logits.max() + np.log(weights.sum())
+  return out, lse
+
+
+# (q ids, kv ids) per batch element: (T, S) = (7, 9).
+SEGMENT_LAYOUTS = {
+    # Packed documents, self-attention style, with a one-token document (id 2).
+    "packed": ([[0, 0, 0, 1, 1, 2, 3], [5, 5, 5, 5, 5, 5, 5]],
+               [[0, 0, 0, 1, 1, 2, 3, 3, 3], [5, 5, 5, 5, 5, 5, 5, 5, 5]]),
+    # Query segment 9 has no keys (its rows return the mean of V); ids are unsorted.
+    "empty_and_unsorted": ([[9, 1, 0, 1, 9, 0, 2], [3, 1, 3, 1, 3, 1, 3]],
+                           [[0, 1, 0, 2, 1, 1, 0, 2, 2], [1, 3, 1, 3, 1, 3, 1, 3, 3]]),
+}
+
+
+@pytest.mark.parametrize("is_causal", **named(CAUSAL))
+@pytest.mark.parametrize("layout", **named(SEGMENT_LAYOUTS))
+@pytest.mark.parametrize("heads", **named(HEADS))
+def test_segment_ids_match_numpy_float64(rng, heads, layout, is_causal):
+  q_ids, kv_ids = (np.array(x, np.int32) for x in layout)
+  q, k, v = random_qkv(rng, BATCH, 7, 9, *heads, HEAD_DIM, np.float64)
+  expected_out, expected_lse = numpy_segment_attention(q, k, v, q_ids, kv_ids,
+                                                       is_causal=is_causal)
+  with jax.enable_x64(True):
+    out, lse = attention_reference(q, k, v, segment_ids=(q_ids, kv_ids), is_causal=is_causal,
+                                   return_residual=True)
+    out, lse = np.asarray(out), np.asarray(lse)
+  np.testing.assert_allclose(out, expected_out, **F64_TOL)
+  seen = ~np.isnan(expected_lse)
+  np.testing.assert_allclose(lse[seen], expected_lse[seen], **F64_TOL)
+
+
+def test_segment_ids_forms_agree(rng):
+  q, k, v = random_qkv(rng, BATCH, 6, 6, *HEADS["gqa"], HEAD_DIM, np.float32)
+  ids = np.array([0, 0, 1, 1, 1, 2], np.int32)
+  expected = attention_reference(q, k, v, segment_ids=SegmentIds(np.tile(ids, (BATCH, 1)),
+                                                                 np.tile(ids, (BATCH, 1))))
+  for form in (ids, (ids, ids), np.tile(ids, (BATCH, 1))):
+    np.testing.assert_array_equal(attention_reference(q, k, v, segment_ids=form), expected)
+  # Unbatched inputs take (L,) ids.
+  np.testing.assert_array_equal(attention_reference(q[0], k[0], v[0], segment_ids=ids),
+                                expected[0])
+
+
+@pytest.mark.parametrize("feature", **named({name: FEATURES[name] for name in (
+    "plain", "causal", "mask_per_head", "both_lengths_causal", "window")}))
+@pytest.mark.parametrize("heads", **named(HEADS))
+def test_segment_ids_match_jax_nn_with_the_equivalent_mask(rng, heads, feature):
+  (num_q_heads, _), (seq_q, seq_kv) = heads, (7, 9)
+  q, k, v = random_qkv(rng, BATCH, seq_q, seq_kv, *heads, HEAD_DIM, np.float32)
+  kwargs = feature(rng, BATCH, num_q_heads, seq_q, seq_kv)
+  q_ids, kv_ids = (rng.integers(0, 3, (BATCH, n), dtype=np.int32) for n in (seq_q, seq_kv))
+  out, lse = attention_reference(q, k, v, segment_ids=(q_ids, kv_ids), return_residual=True,
+                                 **kwargs)
+  same = q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+  kwargs["mask"] = same & kwargs.get("mask", True)
+  expected_out, expected_lse = jax.nn.dot_product_attention(
+      q, k, v, implementation="xla", return_residual=True, **kwargs)
+  np.testing.assert_allclose(out, expected_out, **F32_TOL)
+  np.testing.assert_allclose(lse, expected_lse, **F32_TOL)
