@@ -1,14 +1,16 @@
-"""Autotune the forward kernel's block sizes: `python -m bench.autotune`.
+"""Autotune the kernels' block sizes: `python -m bench.autotune [--backward]`.
 
-For each (head dim, causal) it times every `ForwardConfig` that fits shared memory on the
-race grid's shapes (B·T = 16k tokens, hidden 2048), checks each candidate's output against
-cuDNN's before its time counts, and prints the winner by geometric mean over T, as a
-`TUNED_FORWARD` entry to paste into flash_attn_hopper/config.py with the provenance printed
+For each (head dim, causal) it times every `ForwardConfig` (with --backward: every
+`BackwardConfig`, timing fwd+bwd) that fits shared memory on the race grid's shapes (B·T = 16k
+tokens, hidden 2048), checks each candidate's output (gradients) against cuDNN's before its
+time counts, and prints the winner by geometric mean over T, as a `TUNED_FORWARD`
+(`TUNED_BACKWARD`) entry to paste into flash_attn_hopper/config.py with the provenance printed
 beside it. Full timings go to --out as JSON.
 
 Usage:
-  python -m bench.autotune [--head-dims 64,128,256] [--seq-lens 1024,4096] [--dtype float16]
-                           [--block-kv 64,128,192,256] [--repeats 10] [--out bench/results/autotune.json]
+  python -m bench.autotune [--backward] [--head-dims 64,128,256] [--seq-lens 1024,4096]
+                           [--dtype float16] [--block-kv 64,128,192,256] [--repeats 10]
+                           [--out bench/results/autotune.json]
 """
 
 from __future__ import annotations
@@ -31,15 +33,23 @@ from bench import timing
 
 BLOCK_KV = (64, 128, 192, 256)
 NUM_STAGES = (2, 3)
+#: The backward's candidates: block_q and block_kv of both kernels (dQ and dK/dV share them).
+BACKWARD_BLOCKS = (64, 128)
 #: Max abs difference from cuDNN's output a candidate may show (half-precision outputs of O(1)).
 CHECK_ATOL = 2e-2
 
 
-def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV) -> list[fah.ForwardConfig]:
+def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False) -> list:
   itemsize = np.dtype(dtype).itemsize
+  if backward:
+    shapes = [(bq, bkv, n) for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2)
+              for n in NUM_STAGES]
+  else:
+    shapes = [(64, bkv, n) for bkv, n in itertools.product(block_kvs, NUM_STAGES)]
   out = []
-  for block_kv, stages in itertools.product(block_kvs, NUM_STAGES):
-    cfg = fah.ForwardConfig(block_q=64, block_kv=block_kv, num_stages=stages)
+  for block_q, block_kv, stages in shapes:
+    cls = fah.BackwardConfig if backward else fah.ForwardConfig
+    cfg = cls(block_q=block_q, block_kv=block_kv, num_stages=stages)
     try:
       cfg.check_fits(head_dim, itemsize)
     except ValueError:
@@ -49,36 +59,53 @@ def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV) -> list[fah.ForwardConf
 
 
 def _inputs(w: workloads.Workload):
-  keys = jax.random.split(jax.random.key(0), 3)
+  """q, k, v and an output cotangent."""
+  keys = jax.random.split(jax.random.key(0), 4)
   return tuple(jax.random.normal(kk, s, w.dtype)
-               for kk, s in zip(keys, (w.q_shape, w.kv_shape, w.kv_shape)))
+               for kk, s in zip(keys, (w.q_shape, w.kv_shape, w.kv_shape, w.q_shape)))
 
 
-def _time_candidate(w, cfg, args, expected, repeats):
-  fn = jax.jit(lambda q, k, v: fah.dot_product_attention(
-      q, k, v, is_causal=w.is_causal, implementation="flash_attn_hopper", config=cfg))
+def _program(w, implementation: str, cfg=None, backward: bool = False):
+  """The timed function of (q, k, v, dout): the forward, or fwd+bwd (the gradients)."""
+  kw = {} if cfg is None else {"backward_config" if backward else "config": cfg}
+  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, is_causal=w.is_causal,
+                                                   implementation=implementation, **kw)
+  if backward:
+    return jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))
+  return jax.jit(lambda q, k, v, dout: attn(q, k, v))
+
+
+def _max_diff(a, b) -> float:
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _time_candidate(w, cfg, args, expected, repeats, backward=False):
+  fn = _program(w, "flash_attn_hopper", cfg, backward)
+  # Gradients are larger than outputs: the backward's check scales with them.
+  atol = CHECK_ATOL * (max(float(jnp.max(jnp.abs(g))) for g in expected) if backward else 1)
   try:
-    out = fn(*args)
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected)))
-    if not err <= CHECK_ATOL:
+    err = _max_diff(fn(*args), expected)
+    if not err <= atol:
       return None, f"wrong output (max diff {err:.3g} from cuDNN)"
     ms = timing.median(timing.measure_ms("cupti", fn, args, repeats))
   except Exception as e:  # A candidate that fails to compile loses; the sweep goes on.
     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-  return w.forward_flops() / (ms * 1e-3) / 1e12, None
+  flops = w.forward_flops() * (3.5 if backward else 1.0)
+  return flops / (ms * 1e-3) / 1e12, None
 
 
-def tune(head_dim: int, is_causal: bool, seq_lens, dtype, repeats: int, block_kvs) -> dict:
+def tune(head_dim: int, is_causal: bool, seq_lens, dtype, repeats: int, block_kvs,
+         backward: bool = False) -> dict:
   grid = [w for w in workloads.hidden_2048_grid(seq_lens=seq_lens, head_dims=(head_dim,),
                                                 causal=(is_causal,), dtypes=(dtype,))]
-  cands = candidates(head_dim, dtype, block_kvs)
+  cands = candidates(head_dim, dtype, block_kvs, backward)
   table = {str(c): {} for c in cands}
   for w in grid:
     args = _inputs(w)
-    expected = jax.nn.dot_product_attention(*args, is_causal=is_causal,
-                                            implementation="cudnn").astype(jnp.float32)
+    expected = _program(w, "cudnn", backward=backward)(*args)
     for c in cands:
-      tflops, error = _time_candidate(w, c, args, expected, repeats)
+      tflops, error = _time_candidate(w, c, args, expected, repeats, backward)
       table[str(c)][w.seq_q] = tflops if error is None else error
       print(f"D{head_dim} causal={is_causal} T={w.seq_q} {c}: "
             f"{error or f'{tflops:.1f} TFLOP/s'}", flush=True)
@@ -94,7 +121,10 @@ def tune(head_dim: int, is_causal: bool, seq_lens, dtype, repeats: int, block_kv
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--head-dims", default="64,128,256")
+  p.add_argument("--backward", action="store_true",
+                 help="tune BackwardConfig (timing fwd+bwd) instead of ForwardConfig")
+  p.add_argument("--head-dims", default=None,
+                 help="default 64,128,256 (forward) or 64,128 (the backward kernels' dims)")
   p.add_argument("--seq-lens", default="1024,4096")
   p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
   p.add_argument("--dtype", default="float16", choices=config_lib.SUPPORTED_DTYPES)
@@ -102,21 +132,24 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--out", default="bench/results/autotune.json")
   args = p.parse_args(argv)
-  head_dims = [int(x) for x in args.head_dims.split(",")]
+  head_dims = [int(x) for x in (args.head_dims or
+                                ("64,128" if args.backward else "64,128,256")).split(",")]
   seq_lens = tuple(int(x) for x in args.seq_lens.split(","))
   causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   block_kvs = tuple(int(x) for x in args.block_kv.split(","))
-  results = [tune(d, c, seq_lens, args.dtype, args.repeats, block_kvs)
+  results = [tune(d, c, seq_lens, args.dtype, args.repeats, block_kvs, args.backward)
              for d in head_dims for c in causal]
   provenance = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                 "date": datetime.date.today().isoformat(),
                 "command": "python -m bench.autotune " + " ".join(argv or sys.argv[1:])}
-  print(f"# Tuned on {provenance['device']}, jax {provenance['jax']}, {provenance['date']}: "
-        f"{provenance['command']}")
+  table = "TUNED_BACKWARD" if args.backward else "TUNED_FORWARD"
+  print(f"# {table}: tuned on {provenance['device']}, jax {provenance['jax']}, "
+        f"{provenance['date']}: {provenance['command']}")
   for r in results:
     cfg = r["best_config"]
     print(f"    ({r['head_dim']}, {r['is_causal']}): {cfg!r},  "
-          f"# geomean {r['geomean_tflops'] or float('nan'):.1f} TFLOP/s")
+          f"# geomean {r['geomean_tflops'] or float('nan'):.1f} TFLOP/s"
+          f"{' fwd+bwd' if args.backward else ''}")
   for r in results:
     r.pop("best_config")
   with open(args.out, "w") as f:

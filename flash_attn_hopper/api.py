@@ -18,6 +18,7 @@ from flash_attn_hopper import autodiff
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import hardware
 from flash_attn_hopper import masking
+from flash_attn_hopper import reference
 from flash_attn_hopper.kernels import forward as forward_kernel
 
 #: Names `implementation` accepts. None picks ours on Hopper and XLA elsewhere.
@@ -130,7 +131,7 @@ def mask_spec(t: int, s: int, *, is_causal, local_window_size,
 
 
 def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
-                      segment_ids=None):
+                      segment_ids=None, soft_cap=None, backward_config=None):
   """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
 
   Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
@@ -142,11 +143,15 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
   opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
                                        interpret=bool(interpret), seq_kv=s,
                                        max_ctas=INTERPRET_CTAS if interpret else None,
-                                       kv_lens=kv_lens is not None, segments=segments)
+                                       kv_lens=kv_lens is not None, segments=segments,
+                                       soft_cap=soft_cap)
+  if backward_config is not None:  # Checked now, not when a gradient is first taken.
+    config_lib.resolve_backward_config(q.shape[-1], q.dtype, spec.is_causal, backward_config,
+                                       segments)
   q, k, v = _pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv), _pad_seq(v, cfg.block_kv)
   if segments:
     segment_ids = masking.pad_segment_ids(segment_ids, q.shape[1], k.shape[1])
-  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, opts)
+  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, opts, backward_config)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
@@ -186,6 +191,34 @@ def _band_as_mask(spec: masking.MaskSpec, t: int, s: int, mask):
   return band if mask is None else jnp.logical_and(mask, band)
 
 
+def _soft_cap(cap) -> float | None:
+  """`logits_soft_cap` as a float > 0, or None."""
+  if cap is None:
+    return None
+  try:
+    cap = float(cap)
+  except (TypeError, ValueError):
+    raise TypeError(f"logits_soft_cap must be a positive number or None; got {cap!r}") from None
+  if not cap > 0 or not np.isfinite(cap):
+    raise ValueError(f"logits_soft_cap must be a positive finite number; got {cap!r}")
+  return cap
+
+
+def _soft_capped_without_kernel(query, key, value, *, implementation, return_residual,
+                                **kwargs):
+  """jax.nn has no soft-cap: its 'xla' stand-in is the reference's XLA ops (float32
+  softmax, T×S logits, as jax.nn's XLA path), cast back to the input dtype."""
+  if implementation == "cudnn":
+    raise NotImplementedError(
+        "logits_soft_cap is not supported by implementation='cudnn' (jax.nn has no soft-cap); "
+        "use implementation='xla' or our kernel (implementation=None on Hopper)")
+  out = reference.attention_reference(query, key, value, return_residual=return_residual,
+                                      **kwargs)
+  if return_residual:
+    return out[0].astype(query.dtype), out[1]
+  return out.astype(query.dtype)
+
+
 def _segments_as_mask(ids: masking.SegmentIds, mask, squeeze: bool):
   """jax.nn has no segment ids: its paths get them as an explicit (B, 1, T, S) mask."""
   same = ids.q[:, None, :, None] == ids.kv[:, None, None, :]
@@ -196,8 +229,8 @@ def _segments_as_mask(ids: masking.SegmentIds, mask, squeeze: bool):
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          causal_alignment="top_left", segment_ids=None, interpret=False,
-                          config=None):
+                          causal_alignment="top_left", segment_ids=None, logits_soft_cap=None,
+                          interpret=False, config=None, backward_config=None):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s semantics.
 
   Args:
@@ -225,6 +258,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       with a Q tile are skipped, so packing documents costs what the documents cost. Ids
       need not be sorted (unsorted ids skip fewer blocks). jax.nn has no such argument: its
       paths get the ids as an explicit mask.
+    logits_soft_cap: Gemma 2's soft-cap: the scaled logits x become cap·tanh(x / cap)
+      before the masks and the softmax, forward and backward. jax.nn has no such argument:
+      implementation='xla' computes it with `attention_reference`'s XLA ops in float32, and
+      'cudnn' refuses it.
     implementation: None (our kernel on a Hopper GPU; elsewhere XLA, with one warning),
       'flash_attn_hopper' (our kernel; an error off Hopper unless `interpret`), 'xla' or
       'cudnn' (`jax.nn.dot_product_attention`'s own).
@@ -232,6 +269,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       (T, N), in float32 from the kernel (jax.nn's paths return it in the input dtype).
     interpret: run our kernel through the Mosaic GPU interpreter (on a CPU; slow, for tests).
     config: a `ForwardConfig` overriding the tuned block sizes.
+    backward_config: a `BackwardConfig` overriding the backward kernels' block sizes (D 64
+      and 128; checked when the gradient is taken).
 
   Kernel dtypes are float16 and bfloat16; head dims 64, 128 and 256; any T ≥ 1 and S ≥ 1.
 
@@ -258,11 +297,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                  key_value_seq_lengths=key_value_seq_lengths)
 
   segments = masking.as_segment_ids(segment_ids, query.shape[0] if query.ndim == 4 else 1, t, s)
+  soft_cap = _soft_cap(logits_soft_cap)
 
   use_kernel = interpret or implementation == KERNEL or (implementation is None and on_hopper())
   if not use_kernel:
     if implementation is None:
       _warn_fallback_once()
+    if soft_cap is not None:
+      return _soft_capped_without_kernel(
+          query, key, value, **masks, **lengths, scale=scale, is_causal=is_causal,
+          local_window_size=local_window_size, causal_alignment=causal_alignment,
+          segment_ids=segments, logits_soft_cap=soft_cap, implementation=implementation,
+          return_residual=return_residual)
     if spec.offset and spec.banded:
       masks["mask"] = _band_as_mask(spec, t, s, masks["mask"])
       is_causal, local_window_size = False, None
@@ -287,7 +333,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   q_lens = _lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
-                               interpret=interpret, kv_lens=kv_lens, segment_ids=segments)
+                               interpret=interpret, kv_lens=kv_lens, segment_ids=segments,
+                               soft_cap=soft_cap, backward_config=backward_config)
   empty = (jnp.isneginf(lse) if segments is not None else
            masking.empty_rows(spec, t, s, kv_lens))
   out = _as_jax_nn_for_empty_rows(out, value, empty)

@@ -25,9 +25,12 @@ from flash_attn_hopper.kernels import forward as forward_kernel
 KERNEL_BACKWARD_HEAD_DIMS = (64, 128)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def attention(q, k, v, kv_lens, segment_ids, opts: forward_kernel.ForwardOptions):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def attention(q, k, v, kv_lens, segment_ids, opts: forward_kernel.ForwardOptions,
+              bwd_config: config_lib.BackwardConfig | None = None):
   """Kernel attention on canonical inputs; returns (out, lse) as `attention_forward` does.
+
+  `bwd_config` sets the backward kernels' blocks (None: the tuned ones).
 
   `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`;
   `segment_ids` is None, or `masking.SegmentIds` padded like q and k when `opts.segments`.
@@ -35,22 +38,25 @@ def attention(q, k, v, kv_lens, segment_ids, opts: forward_kernel.ForwardOptions
   return forward_kernel.attention_forward(q, k, v, opts, kv_lens, segment_ids)
 
 
-def _attention_fwd(q, k, v, kv_lens, segment_ids, opts):
+def _attention_fwd(q, k, v, kv_lens, segment_ids, opts, bwd_config):
   # Through `attention` itself, so that differentiating the residuals (a second derivative)
   # meets this custom rule, and then `_backward`'s clear error, not the kernel's lowering.
-  out, lse = attention(q, k, v, kv_lens, segment_ids, opts)
+  out, lse = attention(q, k, v, kv_lens, segment_ids, opts, bwd_config)
   return (out, lse), (q, k, v, (kv_lens, segment_ids), out, lse)
 
 
-def _attention_bwd(opts, residuals, cotangents):
+def _attention_bwd(opts, bwd_config, residuals, cotangents):
   q, k, v, masks, out, lse = residuals
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
   if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS:
     return (*_blockwise_backward(q, k, v, out, lse, dout, masks, opts), None, None)
   bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
-                                    config=config_lib.BackwardConfig(),
+                                    config=config_lib.resolve_backward_config(
+                                        q.shape[-1], q.dtype, opts.is_causal, bwd_config,
+                                        opts.segments),
                                     interpret=opts.interpret, seq_kv=opts.seq_kv,
-                                    kv_lens=opts.kv_lens, segments=opts.segments)
+                                    kv_lens=opts.kv_lens, segments=opts.segments,
+                                    soft_cap=opts.soft_cap)
   return (*_backward(q, k, v, out, lse, dout, masks, bwd_opts), None, None)
 
 
@@ -61,7 +67,7 @@ def _blockwise_backward(q, k, v, out, lse, dout, masks, opts):
   kv_lens, segment_ids = masks
   return blockwise.attention_backward(q, k, v, out, lse, dout, scale=opts.scale,
                                       mask=opts.mask, seq_kv=opts.seq_kv, kv_lens=kv_lens,
-                                      segment_ids=segment_ids)
+                                      segment_ids=segment_ids, soft_cap=opts.soft_cap)
 
 
 def _blockwise_backward_fwd(q, k, v, out, lse, dout, masks, opts):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash_attn_hopper import masking
+from flash_attn_hopper import softmax
 
 #: Keys per scan step: large enough to keep the tensor cores busy, small enough that the
 #: (B, N, T, block) float32 temporaries stay a small multiple of the inputs.
@@ -32,7 +33,7 @@ BLOCK_KV = 256
 def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
                        seq_kv: int | None = None, kv_lens=None,
                        segment_ids: masking.SegmentIds | None = None,
-                       block_kv: int = BLOCK_KV):
+                       soft_cap: float | None = None, block_kv: int = BLOCK_KV):
   """Gradients of attention with respect to q, k and v, from the forward's residuals.
 
   Args:
@@ -43,6 +44,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     kv_lens: None, or (B,) int32 keys per batch element (`key_value_seq_lengths`).
     segment_ids: None, or `masking.SegmentIds` with q (B, T) and kv (B, S) int32 (as padded
       like q and k): query i sees key j only if their ids are equal.
+    soft_cap: None, or the logits soft-cap (`softmax.Logits`): P comes from the capped
+      logits and dS carries the cap's derivative.
 
   Returns:
     (dq, dk, dv), shaped and typed like (q, k, v).
@@ -84,11 +87,13 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     if ids_j is not None:
       visible = visible & (q_ids == ids_j[:, None, None, None, :])
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32)
-    p = jnp.where(visible, jnp.exp(logits * scale - lse[..., None]), 0.0)
+    x, cap_grad = softmax.Logits(scale, soft_cap).transform(logits)
+    p = jnp.where(visible, jnp.exp(x * (1.0 if soft_cap else scale) - lse[..., None]), 0.0)
     dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), dog,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("btkgd,bskd->bkgts", dog, vj, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None])).astype(q.dtype)
+    ds = p * (dp - delta[..., None])
+    ds = (ds if cap_grad is None else ds * cap_grad).astype(q.dtype)
     dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, kj, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg, preferred_element_type=jnp.float32)
     return dq, (dk, dv)

@@ -102,6 +102,32 @@ class BackwardConfig:
   def __post_init__(self):
     _validate_tiles(self)
 
+  def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False) -> int:
+    """Shared memory of the larger of the two kernels.
+
+    dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring.
+    dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
+    (With `segments`, each adds its int32 ids: one tile's and a ring's.)"""
+    wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+    q_rows, kv_rows = wgs * self.block_q, wgs * self.block_kv
+    ids = lambda tile_rows, ring_rows: (tile_rows + self.num_stages * ring_rows) * 4
+    dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
+          + 2 * self.num_stages * self.block_kv * head_dim * itemsize)
+    dkv = (2 * kv_rows * head_dim * itemsize
+           + 2 * self.num_stages * self.block_q * (head_dim * itemsize + 4))
+    if segments:
+      dq += ids(q_rows, self.block_kv)
+      dkv += ids(kv_rows, self.block_q)
+    return max(dq, dkv)
+
+  def check_fits(self, head_dim: int, itemsize: int, segments: bool = False) -> None:
+    """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
+    need = self.smem_bytes(head_dim, itemsize, segments)
+    if need > SMEM_BUDGET:
+      raise ValueError(
+          f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
+          f"{SMEM_BUDGET}-byte budget; lower BackwardConfig.block_q, block_kv or num_stages")
+
 
 # Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by
 #   python -m bench.autotune --head-dims 64,128 --seq-lens 1024,4096 --block-kv 128,192,256
@@ -116,6 +142,27 @@ TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
     (256, False): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
     (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
 }
+
+
+# The backward kernels' blocks, keys (head_dim, is_causal). Not tuned yet: (64, 64, 2) is what
+# passed the GPU tests on an H200 (jax 0.11.2, 2026-11-29) at D 64 and 128.
+# `python -m bench.autotune --backward` times the candidates that fit and prints entries.
+TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
+    (64, False): BackwardConfig(), (64, True): BackwardConfig(),
+    (128, False): BackwardConfig(), (128, True): BackwardConfig(),
+}
+
+
+def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
+                            config: BackwardConfig | None = None,
+                            segments: bool = False) -> BackwardConfig:
+  """Picks the backward config: explicit, else tuned, else the default; checked to fit."""
+  if config is None:
+    config = TUNED_BACKWARD.get((head_dim, bool(is_causal)), BackwardConfig())
+  elif not isinstance(config, BackwardConfig):
+    raise TypeError(f"backward_config must be a BackwardConfig, got {type(config).__name__}")
+  config.check_fits(head_dim, np.dtype(dtype).itemsize, segments)
+  return config
 
 
 def _heuristic(head_dim: int, itemsize: int) -> ForwardConfig:

@@ -69,7 +69,7 @@ def band_mask(t: int, s: int, *, is_causal=False, local_window_size=None,
 def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
                         query_seq_lengths=None, key_value_seq_lengths=None,
                         local_window_size=None, segment_ids=None, return_residual=False,
-                        causal_alignment="top_left"):
+                        causal_alignment="top_left", logits_soft_cap=None, compute_dtype=None):
   """Attention in float32 with `jax.nn.dot_product_attention`'s semantics.
 
   Args:
@@ -85,6 +85,10 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
     return_residual: also return the float32 log-sum-exp of the scaled logits, shape (B, T, N).
     causal_alignment: 'top_left' (jax.nn's) or 'bottom_right' (query i's diagonal is key
       i + S − T), for the causal mask and the window alike.
+    logits_soft_cap: None, or cap: the scaled logits x (bias included) become
+      cap·tanh(x / cap) before the masks (Gemma 2).
+    compute_dtype: overrides the float32 (float64) arithmetic; the tests' naive baseline
+      for what jax.nn lacks (soft-cap) is this function in the inputs' own dtype.
 
   Returns:
     The output in float32 (float64 for float64 inputs), shaped like `query`; with
@@ -92,25 +96,29 @@ def attention_reference(query, key, value, bias=None, mask=None, *, scale=None, 
   """
   out_shape = jnp.shape(query)
   compute = jnp.float64 if jnp.result_type(query) == jnp.float64 else jnp.float32
+  compute = compute_dtype or compute
   q, k, v = (_as_4d(jnp.asarray(x, compute)) for x in (query, key, value))
   b, t, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   group = n // kv_heads
   k = jnp.repeat(k, group, axis=2)
   v = jnp.repeat(v, group, axis=2)
-  scale = 1.0 / np.sqrt(h) if scale is None else scale
+  scale = 1.0 / float(np.sqrt(h)) if scale is None else float(scale)
   if isinstance(local_window_size, int):
     local_window_size = (local_window_size, local_window_size)
 
   logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
   if bias is not None:
     logits = logits + _as_4d(jnp.asarray(bias, compute))
+  if logits_soft_cap is not None:
+    logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   visible = _logits_mask(t, s, None if mask is None else _as_4d(jnp.asarray(mask, bool)),
                          is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size,
                          offset=s - t if causal_alignment == "bottom_right" else 0,
                          segments=masking.as_segment_ids(segment_ids, b, t, s))
   if visible is not None:
-    logits = jnp.where(visible, logits, jnp.asarray(-0.7 * np.finfo(np.float32).max, compute))
+    big = float(jnp.finfo(jnp.float32 if jnp.finfo(compute).bits >= 32 else compute).max)
+    logits = jnp.where(visible, logits, jnp.asarray(-0.7 * big, compute))
   lse = jax.nn.logsumexp(logits, axis=-1)                                   # (B, N, T)
   # Not exp(logits − lse): in a fully masked row lse rounds to the mask value itself, which
   # would make every probability 1 instead of 1/S.

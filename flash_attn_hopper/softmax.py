@@ -11,6 +11,10 @@ row-statistics layout `plgpu.Layout.WGMMA.reduce(1)`, next to logits in `Layout.
 
 `finalize` is the one place that decides what a fully masked row returns: output 0, LSE −inf.
 
+A logits soft-cap (Gemma 2's cap·tanh(x / cap) of the scaled logits x) is applied to the logit
+block before anything else (`cap_logits`); the exponent's factor is then log2(e) alone
+(`exp2_scale`), and the backward multiplies dS by the cap's derivative 1 − tanh².
+
 The backward recomputes P from the saved LSE instead of keeping it (`recompute`), and turns dP
 into the logits' gradient (`logits_grad`): dS = P ∘ (dP − δ), δ = rowsum(dO ∘ O).
 """
@@ -38,6 +42,34 @@ class SoftmaxState(NamedTuple):
 def init(rows: int) -> SoftmaxState:
   full = lambda v: plgpu.layout_cast(jnp.full((rows,), v, jnp.float32), ROW_LAYOUT)
   return SoftmaxState(m=full(-jnp.inf), l=full(0.0))
+
+
+class Logits(NamedTuple):
+  """How a kernel turns raw logits s = q·k into the softmax's input.
+
+  Without a cap the scale is folded into the base-2 exponent; with one, the capped, scaled
+  logits cap·tanh(scale·s / cap) go in with log2(e) alone."""
+  scale: float
+  soft_cap: float | None = None
+
+  @property
+  def exp2_scale(self) -> float:
+    """The factor c of 2^(c·x − m) for the logits `transform` returns."""
+    return LOG2E if self.soft_cap else self.scale * LOG2E
+
+  def transform(self, s):
+    """(the logits the softmax sees, the cap's derivative 1 − tanh² or None)."""
+    if not self.soft_cap:
+      return s, None
+    t = _tanh(s * (self.scale / self.soft_cap))
+    return t * self.soft_cap, 1.0 - t * t
+
+
+def _tanh(x):
+  """tanh from exp2: the kernels compile with approximate math, and tanh.approx.f32 (about
+  2⁻¹¹ relative error) would cost a soft-capped fp16 kernel more than the fp16 inputs do;
+  ex2.approx is accurate to about 2⁻²². Saturates to ±1 without NaN for large |x|."""
+  return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2E)) + 1.0)
 
 
 def _rows(x, shape):
@@ -90,6 +122,8 @@ def recompute(s, lse_log2, exp2_scale: float, query_axis: int = 0):
   return jnp.exp2(s * exp2_scale - _along(lse_log2, s.shape, query_axis))
 
 
-def logits_grad(p, dp, delta, query_axis: int = 0):
-  """dS = P ∘ (dP − δ): the gradient of the (scaled) logits, before the scale."""
-  return p * (dp - _along(delta, p.shape, query_axis))
+def logits_grad(p, dp, delta, query_axis: int = 0, cap_grad=None):
+  """dS = P ∘ (dP − δ): the gradient of the (scaled) logits, before the scale; with a soft
+  cap, times its derivative `cap_grad` (from `Logits.transform`)."""
+  ds = p * (dp - _along(delta, p.shape, query_axis))
+  return ds if cap_grad is None else ds * cap_grad

@@ -47,9 +47,15 @@ def segment_mask(segment_ids, batch: int, seq_q: int, seq_kv: int):
   return ids.q[:, None, :, None] == ids.kv[:, None, None, :]
 
 
-def naive_attention(q, k, v, *, causal_alignment="top_left", segment_ids=None, **kwargs):
+def naive_attention(q, k, v, *, causal_alignment="top_left", segment_ids=None,
+                    logits_soft_cap=None, **kwargs):
   """The baseline: jax.nn's XLA attention in the inputs' own dtype (a bottom-right
-  alignment and segment ids, which jax.nn lacks, go in as an explicit mask)."""
+  alignment and segment ids, which jax.nn lacks, go in as an explicit mask). With a soft-cap,
+  which jax.nn cannot take, it is the reference's arithmetic in the inputs' dtype."""
+  if logits_soft_cap is not None:
+    return reference.attention_reference(
+        q, k, v, causal_alignment=causal_alignment, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap, compute_dtype=jnp.result_type(q), **kwargs)
   if segment_ids is not None:
     batch = q.shape[0] if q.ndim == 4 else 1
     same = segment_mask(segment_ids, batch, q.shape[-3], k.shape[-3])

@@ -171,3 +171,46 @@ def test_bad_segment_ids_are_named(rng, ids, error, match):
   q, k, v = _qkv(rng, t=16, s=24)
   with pytest.raises(error, match=match):
     fah.dot_product_attention(q, k, v, segment_ids=ids, implementation="xla")
+
+
+def test_soft_cap_on_the_xla_path_matches_the_reference(rng):
+  q, k, v = _qkv(rng, dtype=jnp.float32)
+  kw = dict(is_causal=True, logits_soft_cap=1.5, scale=0.4)
+  out, lse = fah.dot_product_attention(q, k, v, implementation="xla", return_residual=True, **kw)
+  ref, ref_lse = fah.attention_reference(q, k, v, return_residual=True, **kw)
+  assert float(jnp.max(jnp.abs(out - ref))) < 1e-6
+  assert float(jnp.max(jnp.abs(lse - ref_lse))) < 1e-6
+  uncapped = fah.attention_reference(q, k, v, is_causal=True, scale=0.4)
+  assert float(jnp.max(jnp.abs(out - uncapped))) > 1e-3  # the cap changed something
+
+
+@pytest.mark.parametrize("cap, error", [(0.0, ValueError), (-1.0, ValueError),
+                                        (float("inf"), ValueError), ("x", TypeError)])
+def test_bad_soft_cap_is_named(rng, cap, error):
+  q, k, v = _qkv(rng)
+  with pytest.raises(error, match="logits_soft_cap"):
+    fah.dot_product_attention(q, k, v, logits_soft_cap=cap, implementation="xla")
+
+
+def test_soft_cap_is_refused_by_cudnn_with_the_fix(rng):
+  q, k, v = _qkv(rng)
+  with pytest.raises(NotImplementedError, match="logits_soft_cap.*implementation='xla'"):
+    fah.dot_product_attention(q, k, v, logits_soft_cap=30.0, implementation="cudnn")
+
+
+def test_backward_config_errors_name_the_field(rng):
+  q, k, v = _qkv(rng)
+  with pytest.raises(TypeError, match="backward_config must be a BackwardConfig"):
+    fah.dot_product_attention(q, k, v, backward_config=fah.ForwardConfig(), interpret=True)
+  with pytest.raises(ValueError, match="BackwardConfig.block_q"):
+    fah.BackwardConfig(block_q=32)
+  big = fah.BackwardConfig(block_q=128, block_kv=128, num_stages=3)
+  with pytest.raises(ValueError, match="shared memory at head_dim=128.*BackwardConfig"):
+    fah.dot_product_attention(*_qkv(rng, d=128), backward_config=big, interpret=True)
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("is_causal", (False, True))
+def test_every_tuned_backward_config_fits(head_dim, is_causal):
+  cfg = config_lib.resolve_backward_config(head_dim, jnp.bfloat16, is_causal, segments=True)
+  assert cfg.smem_bytes(head_dim, 2, segments=True) <= config_lib.SMEM_BUDGET

@@ -98,3 +98,16 @@ def test_head_dim_256_gradients_with_key_lengths(rng):
   kv_lens = jnp.array([100, 150], jnp.int32)
   grads = _grads(q, k, v, dout, key_value_seq_lengths=kv_lens)
   testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens)
+
+
+@pytest.mark.parametrize("cfg", [fah.BackwardConfig(block_q=64, block_kv=128, num_stages=2),
+                                 fah.BackwardConfig(block_q=128, block_kv=64, num_stages=3)],
+                         ids=str)
+def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
+  """The autotuner's candidates: larger blocks on either side, a deeper ring."""
+  w = workloads.Workload("blocks", batch=1, seq_q=200, seq_kv=300, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  grads = _grads(q, k, v, dout, is_causal=True, backward_config=cfg)
+  testing.check_gradients(grads, q, k, v, dout, is_causal=True)

@@ -1,5 +1,5 @@
-"""Windows, the bottom-right alignment, sequence lengths and segment ids on an H200, forward
-and backward, at full size."""
+"""Windows, the bottom-right alignment, sequence lengths, segment ids and the logits soft-cap
+on an H200, forward and backward, at full size."""
 
 from __future__ import annotations
 
@@ -14,6 +14,19 @@ from flash_attn_hopper import workloads
 from tiers import tiered
 
 pytestmark = pytest.mark.gpu
+
+def _check_forward_and_gradients(rng, q, k, v, **kw):
+  """The jitted kernel's output and LSE (into poisoned memory), then its gradients for a random
+  cotangent, against the float32 reference with the same arguments."""
+  attn = lambda q, k, v, **more: fah.dot_product_attention(
+      q, k, v, implementation="flash_attn_hopper", **kw, **more)
+  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
+  out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_residual=True))(q, k, v)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
+
 
 CASES = [
     # (T, S, D, is_causal, local_window_size, causal_alignment)
@@ -31,15 +44,7 @@ def test_masks_forward_and_gradients(rng, t, s, d, is_causal, window, alignment)
                          head_dim=d)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   kw = dict(is_causal=is_causal, local_window_size=window, causal_alignment=alignment)
-  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
-                                                   **kw)
-  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
-  out, lse = jax.jit(lambda q, k, v: fah.dot_product_attention(
-      q, k, v, implementation="flash_attn_hopper", return_residual=True, **kw))(q, k, v)
-  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
-  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
-  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
-  testing.check_gradients(grads, q, k, v, dout, **kw)
+  _check_forward_and_gradients(rng, q, k, v, **kw)
 
 
 @pytest.mark.parametrize("d", tiered([(64,), (128,), (256,)], lambda i, case: case[0] == 128))
@@ -50,13 +55,7 @@ def test_sequence_lengths_forward_and_gradients(rng, d):
   kw = dict(is_causal=True, causal_alignment="bottom_right",
             query_seq_lengths=jnp.array([2048, 1000, 1, 2048], jnp.int32),
             key_value_seq_lengths=jnp.array([4096, 3001, 0, 130], jnp.int32))
-  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
-                                                   **kw)
-  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
-  testing.check_attention(jax.jit(attn)(q, k, v), q, k, v, **kw)
-  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
-  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
-  testing.check_gradients(grads, q, k, v, dout, **kw)
+  _check_forward_and_gradients(rng, q, k, v, **kw)
 
 
 def _documents(rng, batch: int, length: int, docs: int):
@@ -84,12 +83,16 @@ def test_segment_ids_forward_and_gradients(rng, d, is_causal, layout):
     segment_ids = fah.SegmentIds(jnp.asarray(rng.integers(0, 4, (2, t)), jnp.int32),
                                  jnp.asarray(rng.integers(0, 4, (2, s)), jnp.int32))
   kw = dict(is_causal=is_causal, segment_ids=segment_ids)
-  attn = lambda q, k, v: fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
-                                                   **kw)
-  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
-  out, lse = jax.jit(lambda q, k, v: fah.dot_product_attention(
-      q, k, v, implementation="flash_attn_hopper", return_residual=True, **kw))(q, k, v)
-  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
-  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
-  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
-  testing.check_gradients(grads, q, k, v, dout, **kw)
+  _check_forward_and_gradients(rng, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("d, dtype, is_causal", tiered(
+    [(64, "float16", True), (128, "bfloat16", False), (256, "bfloat16", True),
+     (128, "float16", True)],
+    lambda i, case: case in ((64, "float16", True), (128, "bfloat16", False))))
+def test_soft_cap_forward_and_gradients(rng, d, dtype, is_causal):
+  w = workloads.Workload("cap", batch=1, seq_q=2048, seq_kv=2048, num_q_heads=8,
+                         num_kv_heads=2, head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, dtype)
+  kw = dict(is_causal=is_causal, logits_soft_cap=5.0, scale=2.0 / d ** 0.5)  # past the cap
+  _check_forward_and_gradients(rng, q, k, v, **kw)

@@ -19,6 +19,18 @@ pytestmark = pytest.mark.interpret
 # Small blocks so that the band crosses several of them and CTAs loop over several tiles.
 CONFIG = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2)
 
+def _check_forward_and_gradients(rng, q, k, v, config, check_lse=True, **kw):
+  """The interpreted kernel's output (and LSE), then its gradients for a random cotangent,
+  against the float32 reference with the same arguments."""
+  attn = lambda q, k, v, **more: fah.dot_product_attention(q, k, v, interpret=True,
+                                                          config=config, **kw, **more)
+  out, lse = attn(q, k, v, return_residual=True)
+  testing.check_attention(out, q, k, v, actual_lse=lse if check_lse else None, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.vjp(attn, q, k, v)[1](dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
+
+
 CASES = [
     # (T, S, is_causal, local_window_size, causal_alignment)
     (250, 250, True, (70, 0), "top_left"),        # sliding window, as in Mistral
@@ -34,14 +46,8 @@ def test_forward_and_gradients_match_reference(rng, t, s, is_causal, window, ali
   w = workloads.Workload("masks", batch=1, seq_q=t, seq_kv=s, num_q_heads=2, num_kv_heads=1,
                          head_dim=64)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
-  kw = dict(is_causal=is_causal, local_window_size=window, causal_alignment=alignment)
-  out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG,
-                                       return_residual=True, **kw)
-  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
-  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
-  f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
-  grads = jax.vjp(f, q, k, v)[1](dout)
-  testing.check_gradients(grads, q, k, v, dout, **kw)
+  _check_forward_and_gradients(rng, q, k, v, CONFIG, is_causal=is_causal,
+                               local_window_size=window, causal_alignment=alignment)
 
 
 @pytest.mark.parametrize("is_causal, window", [(False, None), (True, (40, 0))])
@@ -53,12 +59,8 @@ def test_sequence_lengths_match_reference(rng, is_causal, window):
   kw = dict(is_causal=is_causal, local_window_size=window,
             query_seq_lengths=jnp.array([70, 150, 1], jnp.int32),
             key_value_seq_lengths=jnp.array([90, 0, 200], jnp.int32))
-  out = fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
-  testing.check_attention(out, q, k, v, **kw)
-  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
-  f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=CONFIG, **kw)
-  grads = jax.vjp(f, q, k, v)[1](dout)
-  testing.check_gradients(grads, q, k, v, dout, **kw)
+  # No LSE check: the kernel never sees query lengths, so rows past them keep theirs.
+  _check_forward_and_gradients(rng, q, k, v, CONFIG, check_lse=False, **kw)
 
 
 def test_key_lengths_under_vmap(rng):
@@ -74,6 +76,18 @@ def test_key_lengths_under_vmap(rng):
     testing.check_attention(out[i], q[i], k[i], v[i], key_value_seq_lengths=lens[i])
 
 
+def _gqa_inputs(rng, batch: int, t: int, s: int, d: int):
+  """bf16 q, k, v with 4 query heads over 2 KV heads."""
+  w = workloads.Workload("gqa", batch=batch, seq_q=t, seq_kv=s, num_q_heads=4, num_kv_heads=2,
+                         head_dim=d)
+  return testing.random_qkv(rng, w, "bfloat16")
+
+
+def _config(d: int):
+  """The small test blocks where they fit; D 256 keeps its tuned config."""
+  return CONFIG if d < 256 else None
+
+
 def _packed(rng, batch: int, length: int, docs: int):
   """Sorted ids of `docs` contiguous documents of random lengths (some may be 1 long)."""
   cuts = [np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False)) for _ in range(batch)]
@@ -84,7 +98,7 @@ def _packed(rng, batch: int, length: int, docs: int):
 def _segment_cases(rng, t, s, layout):
   """(B, T) and (B, S) ids for a named layout."""
   if layout == "packed":  # self-attention over packed documents, one of them a single token
-    ids = np.asarray(_packed(rng, 2, t, 5))
+    ids = np.array(_packed(rng, 2, t, 5))
     ids[0, 40:] += 1
     ids[0, 41:] += 1  # token 40 of batch element 0 is a document of its own
     return fah.SegmentIds(jnp.asarray(ids), jnp.asarray(ids))
@@ -110,18 +124,9 @@ SEGMENT_CASES = [
 
 @pytest.mark.parametrize("t, s, d, is_causal, layout, extra", SEGMENT_CASES)
 def test_segment_ids_match_reference(rng, t, s, d, is_causal, layout, extra):
-  w = workloads.Workload("segments", batch=2, seq_q=t, seq_kv=s, num_q_heads=4, num_kv_heads=2,
-                         head_dim=d)
-  q, k, v = testing.random_qkv(rng, w, "bfloat16")
-  kw = dict(is_causal=is_causal, segment_ids=_segment_cases(rng, t, s, layout), **extra)
-  config = CONFIG if d < 256 else None
-  out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=config,
-                                       return_residual=True, **kw)
-  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
-  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
-  f = lambda q, k, v: fah.dot_product_attention(q, k, v, interpret=True, config=config, **kw)
-  grads = jax.vjp(f, q, k, v)[1](dout)
-  testing.check_gradients(grads, q, k, v, dout, **kw)
+  q, k, v = _gqa_inputs(rng, 2, t, s, d)
+  _check_forward_and_gradients(rng, q, k, v, _config(d), is_causal=is_causal,
+                               segment_ids=_segment_cases(rng, t, s, layout), **extra)
 
 
 def test_segment_ids_skip_blocks_across_documents():
@@ -132,3 +137,19 @@ def test_segment_ids_skip_blocks_across_documents():
     doc = block * 64 // 256
     assert (first, end) == (2 * doc, 2 * doc + 2)        # two KV blocks per document
     assert (full_lo, full_hi) == (first, end)            # all fully inside the document
+
+
+SOFT_CAP_CASES = [
+    # (T, S, D, is_causal, logits_soft_cap, other arguments)
+    (200, 200, 64, True, 2.0, dict(scale=0.5)),    # logits well past the cap
+    (150, 230, 128, False, 5.0, dict(local_window_size=(40, 40))),
+    (140, 140, 64, True, 3.0, dict(segment_ids=jnp.repeat(jnp.arange(4), 35))),
+    (130, 130, 256, True, 2.0, dict(scale=0.3)),   # D 256: the blockwise backward
+]
+
+
+@pytest.mark.parametrize("t, s, d, is_causal, cap, extra", SOFT_CAP_CASES)
+def test_soft_cap_matches_reference(rng, t, s, d, is_causal, cap, extra):
+  q, k, v = _gqa_inputs(rng, 1, t, s, d)
+  _check_forward_and_gradients(rng, q, k, v, _config(d), is_causal=is_causal,
+                               logits_soft_cap=cap, **extra)

@@ -57,7 +57,7 @@ def random_qkv(rng, batch, seq_q, seq_kv, num_q_heads, num_kv_heads, head_dim, d
   return tuple(x.astype(dtype) for x in (q, k, v))
 
 
-def numpy_attention(q, k, v, *, scale, is_causal):
+def numpy_attention(q, k, v, *, scale, is_causal, soft_cap=None):
   """Attention in float64, one (batch, head) at a time; returns (out BTNH, lse BTN)."""
   batch, seq_q, num_q_heads, head_dim = q.shape
   seq_kv, num_kv_heads = k.shape[1], k.shape[2]
@@ -69,6 +69,8 @@ def numpy_attention(q, k, v, *, scale, is_causal):
     for n in range(num_q_heads):
       kv_head = n // group
       logits = scale * (q[b, :, n] @ k[b, :, kv_head].T)  # (T, S)
+      if soft_cap is not None:
+        logits = soft_cap * np.tanh(logits / soft_cap)
       if is_causal:  # Top-left: query i sees key j when j <= i.
         logits[np.arange(seq_kv)[None, :] > np.arange(seq_q)[:, None]] = -np.inf
       row_max = logits.max(axis=1, keepdims=True)
@@ -90,6 +92,19 @@ def test_matches_numpy_float64(rng, heads, seq_lens, is_causal, scale):
     out, lse = attention_reference(q, k, v, scale=scale, is_causal=is_causal,
                                    return_residual=True)
     assert out.dtype == jnp.float64
+    out, lse = np.asarray(out), np.asarray(lse)
+  np.testing.assert_allclose(out, expected_out, **F64_TOL)
+  np.testing.assert_allclose(lse, expected_lse, **F64_TOL)
+
+
+@pytest.mark.parametrize("is_causal", **named(CAUSAL))
+def test_soft_cap_matches_numpy_float64(rng, is_causal):
+  q, k, v = random_qkv(rng, BATCH, 9, 13, *HEADS["gqa"], HEAD_DIM, np.float64)
+  expected_out, expected_lse = numpy_attention(q, k, v, scale=0.7, is_causal=is_causal,
+                                               soft_cap=2.5)
+  with jax.enable_x64(True):
+    out, lse = attention_reference(q, k, v, scale=0.7, is_causal=is_causal,
+                                   logits_soft_cap=2.5, return_residual=True)
     out, lse = np.asarray(out), np.asarray(lse)
   np.testing.assert_allclose(out, expected_out, **F64_TOL)
   np.testing.assert_allclose(lse, expected_lse, **F64_TOL)

@@ -18,6 +18,7 @@ from flash_attn_hopper import hardware
 from flash_attn_hopper import layouts
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
+from flash_attn_hopper import softmax
 
 
 class Dims(NamedTuple):
@@ -59,10 +60,17 @@ class AttentionOptions:
   #: (`masking.segment_spans`) come with the inputs; keys of another segment are masked and
   #: blocks that share no segment with a tile are skipped.
   segments: bool = False
+  #: Gemma 2's logits soft-cap (cap·tanh(x / cap) of the scaled logits), or None.
+  soft_cap: float | None = None
 
   @property
   def is_causal(self) -> bool:
     return self.mask.is_causal
+
+  @property
+  def logits(self) -> softmax.Logits:
+    """How the kernels turn raw logits into the softmax's input (scale, soft-cap)."""
+    return softmax.Logits(self.scale, self.soft_cap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,7 +103,8 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
   staging = None if refs.staging is None else refs.staging.at[wg]
 
-  st = common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
+  st, cap_grad = opts.logits.transform(
+      common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q)))
   segments = None
   if opts.segments:
     segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
@@ -119,12 +120,12 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   plgpu.barrier_arrive(lse_s.consumed.at[slot])
   plgpu.barrier_arrive(delta_s.consumed.at[slot])
 
-  pt = softmax.recompute(st, lse, opts.scale * softmax.LOG2E, query_axis=1)
+  pt = softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1)
   dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), refs.do_ring.at[slot],
                                     staging=staging)
   dpt = common.matmul(v_smem, refs.do_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
   plgpu.barrier_arrive(do_s.consumed.at[slot])
-  dst = softmax.logits_grad(pt, dpt, delta, query_axis=1)
+  dst = softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
   dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
                                     staging=staging)
   plgpu.barrier_arrive(q_s.consumed.at[slot])

@@ -73,16 +73,17 @@ def _kv_step(step, carry, *, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
   plgpu.barrier_wait(k_s.ready.at[slot])
-  s = common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
+  s, cap_grad = opts.logits.transform(
+      common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv)))
   k_ids = _key_ids(ids_s, slot, load=masked)
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
                                    segments=None if k_ids is None else (q_ids, k_ids))
-  p = softmax.recompute(s, lse, opts.scale * softmax.LOG2E)
+  p = softmax.recompute(s, lse, opts.logits.exp2_scale)
   plgpu.barrier_wait(v_s.ready.at[slot])
   dp = common.matmul(do_smem, refs.v_ring.at[slot].T, (cfg.block_q, cfg.block_kv))
   plgpu.barrier_arrive(v_s.consumed.at[slot])
-  ds = softmax.logits_grad(p, dp, delta)
+  ds = softmax.logits_grad(p, dp, delta, cap_grad=cap_grad)
   carry = accumulate.matmul_accumulate(carry, ds.astype(dims.dtype), refs.k_ring.at[slot],
                                        staging=staging)
   plgpu.barrier_arrive(k_s.consumed.at[slot])

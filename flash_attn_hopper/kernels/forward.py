@@ -96,11 +96,12 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, q_ids, seq_kv, ring0, e
 
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
+  s, _ = opts.logits.transform(s)
   k_ids = _key_ids(bars, refs, slot, load=masked)
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
                                    segments=None if k_ids is None else (q_ids, k_ids))
-  state, p, alpha = softmax.update(state, s, opts.scale * softmax.LOG2E)
+  state, p, alpha = softmax.update(state, s, opts.logits.exp2_scale)
   acc = softmax.rescale(acc, alpha)
   p16 = p.astype(dims.dtype)
 
