@@ -92,8 +92,24 @@ axes[-1].imshow(np.arange(S)[None, :].repeat(2, 0) < lens[:, None], cmap="Blues"
                interpolation="nearest")
 axes[-1].set_title("key_value_seq_lengths [160, 320]"); axes[-1].set_xlabel("key"); axes[-1].set_ylabel("batch")
 plt.tight_layout(); plt.show()"""),
-        ("md", "Packed sequences (segment ids) are not in the kernels yet; "
-               "`docs/masks.md` has the design."),
+        ("md", "Packed sequences: three documents in one row of 320 tokens, causal within each "
+               "(`segment_ids`). The blocks outside the documents' diagonal squares are never "
+               "loaded; blocks fully inside one document skip the element mask (green)."),
+        ("code", """\
+ids = jnp.asarray(np.repeat([0, 1, 2], [100, 156, 64]), jnp.int32)[None]
+visible = np.asarray((ids[0][:, None] == ids[0][None, :]) & np.tri(S, dtype=bool))
+spans = np.asarray(masking.segment_spans(ids, ids, BLOCK, BLOCK))[0]
+spec = api.mask_spec(S, S, is_causal=True, local_window_size=None)
+fig, ax = plt.subplots(figsize=(4, 4))
+ax.imshow(visible, cmap="Blues")
+for i, span in enumerate(spans):
+    r = masking.kv_block_range(spec, i * BLOCK, BLOCK, S, BLOCK).intersect(masking.BlockRange(*span))
+    for j in range(int(r.first), int(r.end)):
+        full = int(r.full_lo) <= j < int(r.full_hi)
+        ax.add_patch(plt.Rectangle((j * BLOCK, i * BLOCK), BLOCK, BLOCK, fill=False, lw=1.5,
+                                   ec="green" if full else "orange"))
+ax.set_title("segment_ids [0]*100 + [1]*156 + [2]*64, causal"); ax.set_xlabel("key"); ax.set_ylabel("query")
+plt.show()"""),
         ("code", """\
 rng = np.random.default_rng(0)
 q = jnp.asarray(rng.standard_normal((1, T, 2, 64)), jnp.bfloat16)
@@ -101,7 +117,11 @@ k = jnp.asarray(rng.standard_normal((1, S, 1, 64)), jnp.bfloat16)
 for name, kw in cases.items():
     out = fah.dot_product_attention(q, k, k, interpret=INTERPRET, **kw)
     ref = fah.attention_reference(q, k, k, **kw)
-    print(f"{name:24s} max error {float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))):.4f}")"""),
+    print(f"{name:24s} max error {float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))):.4f}")
+q = jnp.asarray(rng.standard_normal((1, S, 2, 64)), jnp.bfloat16)
+out = fah.dot_product_attention(q, k, k, is_causal=True, segment_ids=ids, interpret=INTERPRET)
+ref = fah.attention_reference(q, k, k, is_causal=True, segment_ids=ids)
+print(f"{'packed, causal':24s} max error {float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))):.4f}")"""),
     ],
     "benchmark": [
         ("md", "# Benchmark plots\n\nThe committed H200 results (`bench/results/*.json`), "
