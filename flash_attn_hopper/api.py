@@ -67,13 +67,8 @@ def _check_shapes(query, key, value) -> None:
                     f"{key.dtype}, {value.dtype}")
 
 
-def _check_kernel_support(query, unsupported: dict) -> None:
-  """Raises for what the kernel cannot do yet, naming the argument or value."""
-  for name, value in unsupported.items():
-    if value is not None:
-      raise NotImplementedError(
-          f"flash_attn_hopper's kernel does not support `{name}` yet; pass "
-          f"implementation='xla' or 'cudnn' to use jax.nn's implementation for it")
+def _check_kernel_support(query) -> None:
+  """Raises for what the kernel cannot do, naming the argument or value."""
   if query.dtype not in KERNEL_DTYPES:
     raise TypeError(f"flash_attn_hopper's kernel supports dtypes "
                     f"{', '.join(config_lib.SUPPORTED_DTYPES)}; got {query.dtype}")
@@ -130,8 +125,32 @@ def mask_spec(t: int, s: int, *, is_causal, local_window_size,
                           offset=s - t if causal_alignment == "bottom_right" else 0)
 
 
+def _as_bias(bias, mask, shape, dtype):
+  """`bias` and `mask` as one additive bias of the scaled logits, (B|1, N|1, T, S) in the
+  kernel's dtype (−inf where the mask is False), or None. `shape` is (B, N, T, S)."""
+  def four(name, x):
+    x = jnp.asarray(x)
+    if x.ndim > 4:
+      raise ValueError(f"{name} must be broadcastable to (B, N, T, S) = {shape}; got shape "
+                       f"{x.shape}")
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if any(n not in (1, full) for n, full in zip(x.shape, shape)):
+      raise ValueError(f"{name} must be broadcastable to (B, N, T, S) = {shape}; got shape "
+                       f"{x.shape}")
+    return x
+  parts = []
+  if bias is not None:
+    parts.append(four("bias", bias).astype(dtype))
+  if mask is not None:
+    parts.append(jnp.where(four("mask", mask).astype(bool), 0.0, -jnp.inf).astype(dtype))
+  if not parts:
+    return None
+  total = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+  return jnp.broadcast_to(total, total.shape[:2] + shape[2:])
+
+
 def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
-                      segment_ids=None, soft_cap=None, backward_config=None):
+                      segment_ids=None, soft_cap=None, backward_config=None, bias=None):
   """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
 
   Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
@@ -139,19 +158,24 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
   t, s = q.shape[1], k.shape[1]
   segments = segment_ids is not None
   cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config,
-                                          segments=segments)
+                                          segments=segments, bias=bias is not None)
   opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
                                        interpret=bool(interpret), seq_kv=s,
                                        max_ctas=INTERPRET_CTAS if interpret else None,
                                        kv_lens=kv_lens is not None, segments=segments,
-                                       soft_cap=soft_cap)
+                                       soft_cap=soft_cap,
+                                       bias=None if bias is None else (bias.shape[0] > 1,
+                                                                       bias.shape[1] > 1))
   if backward_config is not None:  # Checked now, not when a gradient is first taken.
     config_lib.resolve_backward_config(q.shape[-1], q.dtype, spec.is_causal, backward_config,
                                        segments)
   q, k, v = _pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv), _pad_seq(v, cfg.block_kv)
   if segments:
     segment_ids = masking.pad_segment_ids(segment_ids, q.shape[1], k.shape[1])
-  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, opts, backward_config)
+  if bias is not None:  # Padded keys and rows are masked (and then dropped).
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q.shape[1] - t), (0, k.shape[1] - s)),
+                   constant_values=-jnp.inf)
+  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, bias, opts, backward_config)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
@@ -237,8 +261,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     query: (B, T, N, H) or (T, N, H).
     key, value: (B, S, K, H) or (S, K, H); N must be a multiple of K (GQA; K = 1 is MQA).
       K/V are never repeated in memory.
-    bias, mask: as in `jax.nn`. The kernel does not support them yet: with the kernel they
-      raise NotImplementedError; with implementation='xla' or 'cudnn' they go to `jax.nn`.
+    bias, mask: as in `jax.nn`, broadcastable to (B, N, T, S). The kernel adds them to the
+      scaled logits as one bias tile per block (the mask as −inf, materialized to
+      (B|1, N|1, T, S) in the inputs' dtype) and skips blocks a mask leaves fully invisible.
+      D 64 and 128 (at D 256 the tiles do not fit shared memory: NotImplementedError). The
+      gradients with a bias or a mask come from `blockwise` (XLA), bias's included.
     query_seq_lengths, key_value_seq_lengths: (B,) int32, as in `jax.nn` (padding). Keys
       past a batch element's length are masked and their blocks skipped; output rows past a
       query's length are zero.
@@ -323,7 +350,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         f"implementation='{KERNEL}' needs an sm90 (Hopper) GPU; the default device is "
         f"{jax.devices()[0].device_kind}. Use implementation=None to fall back to XLA, or "
         f"interpret=True to run the kernel through the Mosaic GPU interpreter.")
-  _check_kernel_support(query, masks)
+  _check_kernel_support(query)
 
   squeeze = query.ndim == 3
   if squeeze:
@@ -332,10 +359,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   batch = query.shape[0]
   q_lens = _lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  bias = _as_bias(bias, mask, (batch, query.shape[2], t, s), query.dtype)
   out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
                                interpret=interpret, kv_lens=kv_lens, segment_ids=segments,
-                               soft_cap=soft_cap, backward_config=backward_config)
-  empty = (jnp.isneginf(lse) if segments is not None else
+                               soft_cap=soft_cap, backward_config=backward_config, bias=bias)
+  # Which queries saw no key: known statically for a band, from the LSE for data masks.
+  empty = (jnp.isneginf(lse) if segments is not None or bias is not None else
            masking.empty_rows(spec, t, s, kv_lens))
   out = _as_jax_nn_for_empty_rows(out, value, empty)
   if q_lens is not None:  # As jax.nn: rows past a query's length are zero.

@@ -2,8 +2,9 @@
 
 Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ preprocess, dQ,
 dK/dV) at the head dims they were validated for on an H200; at the others (D 256, where the
-dK/dV accumulators do not fit the registers) it runs `blockwise`, FlashAttention's backward
-in XLA ops, with O(T) extra memory like the kernels.
+dK/dV accumulators do not fit the registers), and with a bias or a mask (whose tiles the
+backward kernels do not stream yet), it runs `blockwise`, FlashAttention's backward in XLA
+ops, with O(T) extra memory like the kernels (and the bias's gradient, shaped like it).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from flash_attn_hopper.kernels import forward as forward_kernel
 KERNEL_BACKWARD_HEAD_DIMS = (64, 128)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def attention(q, k, v, kv_lens, segment_ids, opts: forward_kernel.ForwardOptions,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def attention(q, k, v, kv_lens, segment_ids, bias, opts: forward_kernel.ForwardOptions,
               bwd_config: config_lib.BackwardConfig | None = None):
   """Kernel attention on canonical inputs; returns (out, lse) as `attention_forward` does.
 
@@ -34,22 +35,24 @@ def attention(q, k, v, kv_lens, segment_ids, opts: forward_kernel.ForwardOptions
 
   `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`;
   `segment_ids` is None, or `masking.SegmentIds` padded like q and k when `opts.segments`.
-  Neither has a gradient."""
-  return forward_kernel.attention_forward(q, k, v, opts, kv_lens, segment_ids)
+  Neither has a gradient. `bias` is None, or (B|1, N|1, T, S) padded like q and k when
+  `opts.bias`; its gradient (dS) comes from `blockwise`, and so do q's, k's and v's then."""
+  return forward_kernel.attention_forward(q, k, v, opts, kv_lens, segment_ids, bias)
 
 
-def _attention_fwd(q, k, v, kv_lens, segment_ids, opts, bwd_config):
+def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config):
   # Through `attention` itself, so that differentiating the residuals (a second derivative)
   # meets this custom rule, and then `_backward`'s clear error, not the kernel's lowering.
-  out, lse = attention(q, k, v, kv_lens, segment_ids, opts, bwd_config)
-  return (out, lse), (q, k, v, (kv_lens, segment_ids), out, lse)
+  out, lse = attention(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config)
+  return (out, lse), (q, k, v, (kv_lens, segment_ids, bias), out, lse)
 
 
 def _attention_bwd(opts, bwd_config, residuals, cotangents):
   q, k, v, masks, out, lse = residuals
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
-  if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS:
-    return (*_blockwise_backward(q, k, v, out, lse, dout, masks, opts), None, None)
+  if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS or opts.bias:
+    dq, dk, dv, *dbias = _blockwise_backward(q, k, v, out, lse, dout, masks, opts)
+    return dq, dk, dv, None, None, (dbias[0] if dbias else None)
   bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
                                     config=config_lib.resolve_backward_config(
                                         q.shape[-1], q.dtype, opts.is_causal, bwd_config,
@@ -57,17 +60,18 @@ def _attention_bwd(opts, bwd_config, residuals, cotangents):
                                     interpret=opts.interpret, seq_kv=opts.seq_kv,
                                     kv_lens=opts.kv_lens, segments=opts.segments,
                                     soft_cap=opts.soft_cap)
-  return (*_backward(q, k, v, out, lse, dout, masks, bwd_opts), None, None)
+  return (*_backward(q, k, v, out, lse, dout, masks[:2], bwd_opts), None, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _blockwise_backward(q, k, v, out, lse, dout, masks, opts):
-  """`blockwise.attention_backward`, also refusing to be differentiated again. `masks` is
-  (kv_lens, segment_ids)."""
-  kv_lens, segment_ids = masks
+  """`blockwise.attention_backward` (dq, dk, dv and dbias, None without a bias), also
+  refusing to be differentiated again. `masks` is (kv_lens, segment_ids, bias)."""
+  kv_lens, segment_ids, bias = masks
   return blockwise.attention_backward(q, k, v, out, lse, dout, scale=opts.scale,
                                       mask=opts.mask, seq_kv=opts.seq_kv, kv_lens=kv_lens,
-                                      segment_ids=segment_ids, soft_cap=opts.soft_cap)
+                                      segment_ids=segment_ids, soft_cap=opts.soft_cap,
+                                      bias=bias)
 
 
 def _blockwise_backward_fwd(q, k, v, out, lse, dout, masks, opts):

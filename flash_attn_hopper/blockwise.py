@@ -33,7 +33,7 @@ BLOCK_KV = 256
 def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
                        seq_kv: int | None = None, kv_lens=None,
                        segment_ids: masking.SegmentIds | None = None,
-                       soft_cap: float | None = None, block_kv: int = BLOCK_KV):
+                       soft_cap: float | None = None, bias=None, block_kv: int = BLOCK_KV):
   """Gradients of attention with respect to q, k and v, from the forward's residuals.
 
   Args:
@@ -46,9 +46,11 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
       like q and k): query i sees key j only if their ids are equal.
     soft_cap: None, or the logits soft-cap (`softmax.Logits`): P comes from the capped
       logits and dS carries the cap's derivative.
+    bias: None, or an additive bias of the scaled logits, (B|1, N|1, T, S) (−inf masks).
 
   Returns:
-    (dq, dk, dv), shaped and typed like (q, k, v).
+    (dq, dk, dv), shaped and typed like (q, k, v); with a bias, also dbias, the logits'
+    gradient dS summed over the bias's broadcast dimensions, shaped and typed like it.
   """
   b, t, n, d = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
@@ -60,6 +62,9 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
   grouped = lambda x: x.reshape(b, t, kv_heads, group, d)
   qg, dog = grouped(q), grouped(dout)
   lse = lse[..., :t].reshape(b, kv_heads, group, t)
+  # A query that sees nothing (LSE −inf) gets P = 0, not exp(−inf + inf) = NaN, where a bias
+  # of −inf masks its keys.
+  lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
   delta = jnp.einsum("btnd,btnd->bnt", dout, out, preferred_element_type=jnp.float32)
   delta = delta.reshape(b, kv_heads, group, t)
   blocks = lambda x: jnp.moveaxis(
@@ -77,8 +82,16 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     kv_ids = jnp.moveaxis(kv_ids.reshape(b, num_blocks, block_kv), 1, 0)
     q_ids = segment_ids.q[:, None, None, :, None]
 
+  bias_blocks = None
+  if bias is not None:  # (blocks, B|1, K|1, G|1, T, block), like the logits
+    bb, nb = bias.shape[:2]
+    heads = (kv_heads, group) if nb > 1 else (1, 1)
+    bias_blocks = jnp.pad(bias, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(
+        bb, *heads, t, num_blocks, block_kv)
+    bias_blocks = jnp.moveaxis(bias_blocks, 4, 0)
+
   def step(dq, xs):
-    j, kj, vj, ids_j = xs
+    j, kj, vj, ids_j, bias_j = xs
     keys = j * block_kv + cols
     visible = keys < limit
     band = mask.visible(rows, keys)
@@ -87,20 +100,32 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     if ids_j is not None:
       visible = visible & (q_ids == ids_j[:, None, None, None, :])
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, kj, preferred_element_type=jnp.float32)
-    x, cap_grad = softmax.Logits(scale, soft_cap).transform(logits)
+    x, cap_grad = softmax.Logits(scale, soft_cap).transform(
+        logits, None if bias_j is None else bias_j.astype(jnp.float32))
     p = jnp.where(visible, jnp.exp(x * (1.0 if soft_cap else scale) - lse[..., None]), 0.0)
     dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(q.dtype), dog,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("btkgd,bskd->bkgts", dog, vj, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[..., None])
-    ds = (ds if cap_grad is None else ds * cap_grad).astype(q.dtype)
+    ds32 = p * (dp - delta[..., None])
+    ds32 = ds32 if cap_grad is None else ds32 * cap_grad
+    ds = ds32.astype(q.dtype)
     dq = dq + jnp.einsum("bkgts,bskd->btkgd", ds, kj, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgts,btkgd->bskd", ds, qg, preferred_element_type=jnp.float32)
-    return dq, (dk, dv)
+    dbias = None
+    if bias_j is not None:  # Summed over what the bias broadcasts.
+      axes = tuple(i for i, n in enumerate(bias_j.shape[:3]) if n == 1 and ds32.shape[i] > 1)
+      dbias = jnp.sum(ds32, axis=axes, keepdims=True).astype(bias_j.dtype)
+    return dq, (dk, dv, dbias)
 
   dq0 = jnp.zeros((b, t, kv_heads, group, d), jnp.float32)
-  dq, (dk, dv) = lax.scan(step, dq0, (jnp.arange(num_blocks), blocks(k), blocks(v), kv_ids))
+  dq, (dk, dv, dbias) = lax.scan(step, dq0, (jnp.arange(num_blocks), blocks(k), blocks(v),
+                                              kv_ids, bias_blocks))
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, num_blocks * block_kv, kv_heads, d)[:, :s]
-  return ((dq * scale).reshape(q.shape).astype(q.dtype),
-          (unblock(dk) * scale).astype(k.dtype),
-          unblock(dv).astype(v.dtype))
+  grads = ((dq * scale).reshape(q.shape).astype(q.dtype),
+           (unblock(dk) * scale).astype(k.dtype),
+           unblock(dv).astype(v.dtype))
+  if bias is None:
+    return grads
+  dbias = jnp.moveaxis(dbias, 0, 4).reshape(bias.shape[0], bias.shape[1], t,
+                                            num_blocks * block_kv)
+  return (*grads, dbias[..., :s])

@@ -59,25 +59,28 @@ class ForwardConfig:
     return pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q
 
   def smem_bytes(self, head_dim: int, itemsize: int, separate_o: bool = False,
-                 segments: bool = False) -> int:
+                 segments: bool = False, bias: bool = False) -> int:
     """Shared memory the kernel allocates: Q tiles (and O tiles when `separate_o`), the K/V
     ring and the LSE tiles (and with `segments`, the int32 ids of the Q tiles and a ring of
-    the keys' ids)."""
+    the keys' ids; with `bias`, a ring of (CTA rows × block_kv) bias tiles)."""
     q_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * head_dim * itemsize
     kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     lse_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * 4
     ids = (pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q + self.num_stages * self.block_kv) * 4
-    return q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles + (ids if segments else 0)
+    bias_ring = self.num_stages * self.rows_per_cta * self.block_kv * itemsize
+    return (q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles +
+            (ids if segments else 0) + (bias_ring if bias else 0))
 
   def fits(self, head_dim: int, itemsize: int, separate_o: bool = False,
-           segments: bool = False) -> bool:
+           segments: bool = False, bias: bool = False) -> bool:
     """Whether the tiles fit the shared-memory budget. The kernel gives O its own tiles
     (so the next Q loads under the epilogue) only when they fit too."""
-    return self.smem_bytes(head_dim, itemsize, separate_o, segments) <= SMEM_BUDGET
+    return self.smem_bytes(head_dim, itemsize, separate_o, segments, bias) <= SMEM_BUDGET
 
-  def check_fits(self, head_dim: int, itemsize: int, segments: bool = False) -> None:
+  def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
+                 bias: bool = False) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
-    need = self.smem_bytes(head_dim, itemsize, segments=segments)
+    need = self.smem_bytes(head_dim, itemsize, segments=segments, bias=bias)
     budget = SMEM_BUDGET
     if need > budget:
       raise ValueError(
@@ -165,25 +168,33 @@ def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
   return config
 
 
-def _heuristic(head_dim: int, itemsize: int) -> ForwardConfig:
+def _heuristic(head_dim: int, itemsize: int, segments: bool = False,
+               bias: bool = False) -> ForwardConfig:
   """The deepest ring of the widest KV block that fits."""
   for block_kv in (128, 64):
     for num_stages in (3, 2):
       cfg = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=num_stages)
-      if cfg.fits(head_dim, itemsize):
+      if cfg.fits(head_dim, itemsize, segments=segments, bias=bias):
         return cfg
+  if bias:
+    raise NotImplementedError(
+        f"flash_attn_hopper's kernel cannot take `bias` or `mask` at head_dim={head_dim}: "
+        "their tiles do not fit shared memory beside K and V; pass implementation='xla'")
   raise ValueError(f"no forward config fits shared memory at head_dim={head_dim}")
 
 
 def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
                            config: ForwardConfig | None = None,
-                           segments: bool = False) -> ForwardConfig:
+                           segments: bool = False, bias: bool = False) -> ForwardConfig:
   """Picks the forward config: explicit, else tuned, else heuristic; checked to fit (with
-  the segment ids' buffers when `segments`)."""
+  the segment ids' buffers when `segments`, the bias ring when `bias`). A tuned config that
+  does not fit beside a bias gives way to the heuristic."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
-    config = TUNED_FORWARD.get((head_dim, bool(is_causal))) or _heuristic(head_dim, itemsize)
+    config = TUNED_FORWARD.get((head_dim, bool(is_causal)))
+    if config is None or not config.fits(head_dim, itemsize, segments=segments, bias=bias):
+      config = _heuristic(head_dim, itemsize, segments, bias)
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, itemsize, segments)
+  config.check_fits(head_dim, itemsize, segments, bias)
   return config

@@ -164,9 +164,10 @@ class BlockRange(NamedTuple):
     return BlockRange(first, full_lo, full_hi, end)
 
   @classmethod
-  def read(cls, spans_ref, batch, block) -> "BlockRange":
-    """Row `block` of batch element `batch` of a `segment_spans` array, in a kernel."""
-    return cls(*(spans_ref[batch, block, i] for i in range(4)))
+  def read(cls, spans_ref, *index) -> "BlockRange":
+    """One row of a `segment_spans` / `mask_spans` array in a kernel: `index` is
+    (batch, block), or (batch, head, block) for a mask's."""
+    return cls(*(spans_ref[(*index, i)] for i in range(4)))
 
   def union(self, other: "BlockRange") -> "BlockRange":
     """The smallest range that covers both (what a CTA of two warpgroups streams); its
@@ -200,11 +201,32 @@ def segment_spans(row_ids, col_ids, row_block: int, col_block: int):
   c_min, c_max = (x[:, None, :] for x in _block_bounds(col_ids, col_block))
   may = (r_min <= c_max) & (c_min <= r_max)
   full = (r_min == r_max) & (c_min == c_max) & (r_min == c_min)
+  return _spans(may, full)
+
+
+def mask_spans(mask, row_block: int, col_block: int):
+  """For each block of rows of a boolean (..., rows, cols) mask, the blocks of columns that
+  hold any visible entry: (..., row blocks, 4) int32 as `segment_spans` gives, with the whole
+  range "full" (the kernels add the mask as a bias tile, so no block needs it elementwise)."""
+  *lead, rows, cols = mask.shape
+  nr, nc = _cdiv(rows, row_block), _cdiv(cols, col_block)
+  padded = jnp.pad(mask, [(0, 0)] * len(lead) + [(0, nr * row_block - rows),
+                                                 (0, nc * col_block - cols)])
+  tiles = padded.reshape(*lead, nr, row_block, nc, col_block).any(axis=(-3, -1))
+  return _spans(tiles, None)
+
+
+def _spans(may, full):
+  """[first, full_lo, full_hi, end] along the last axis of block-pair booleans: the range
+  of blocks that `may` hold anything visible, and the first run of `full` ones (None: the
+  whole range)."""
   n = may.shape[-1]
   cols = jnp.arange(n)
   anywhere = may.any(axis=-1)
   first = jnp.where(anywhere, jnp.argmax(may, axis=-1), 0)
   end = jnp.where(anywhere, n - jnp.argmax(may[..., ::-1], axis=-1), first)
+  if full is None:
+    return jnp.stack([first, first, end, end], axis=-1).astype(jnp.int32)
   # The first run of fully visible blocks (one run when segments are contiguous).
   full_lo = jnp.where(full.any(axis=-1), jnp.argmax(full, axis=-1), first)
   after = ~full & (cols >= full_lo[..., None])

@@ -67,27 +67,35 @@ class Barriers:
   q_ids_ready: object = None
   ids_ready: object = None
   ids_consumed: object = None
+  #: With a bias only: the (ready, consumed) pair of the ring of bias tiles.
+  bias_ready: object = None
+  bias_consumed: object = None
 
   @staticmethod
-  def types(num_stages: int, segments: bool = False) -> tuple:
+  def types(num_stages: int, segments: bool = False, bias: bool = False) -> tuple:
     """The scratch types that `pl.run_scoped` allocates, in the order of the fields."""
     per_wg = NUM_COMPUTE_WARPGROUPS
     k_ready, k_consumed = stream_barrier_types(num_stages)
     v_ready, v_consumed = stream_barrier_types(num_stages)
     base = (plgpu.Barrier(num_barriers=per_wg), k_ready, v_ready, k_consumed, v_consumed,
             plgpu.Barrier(num_arrivals=per_wg))
-    if not segments:
-      return base
-    return (*base, plgpu.Barrier(num_barriers=per_wg), *stream_barrier_types(num_stages))
+    ids = (plgpu.Barrier(num_barriers=per_wg), *stream_barrier_types(num_stages))
+    no_ids = (None, None, None)
+    return (*base, *(ids if segments else no_ids),
+            *(stream_barrier_types(num_stages) if bias else ()))
 
-  def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None) -> tuple:
+  def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None,
+                 bias_src=None, bias_smem=None) -> tuple:
     """K then V, each `src(step)` a block view, as ring streams; with segment ids, the keys'
-    ids stream between them (the mask needs them before P V)."""
-    k = Stream(k_src, k_smem, self.k_ready, self.k_consumed)
-    v = Stream(v_src, v_smem, self.v_ready, self.v_consumed)
-    if self.ids_ready is None:
-      return k, v
-    return k, Stream(ids_src, ids_smem, self.ids_ready, self.ids_consumed), v
+    ids stream between them, and with a bias its tiles (the mask and the bias are needed
+    before P V)."""
+    streams = [Stream(k_src, k_smem, self.k_ready, self.k_consumed)]
+    if self.ids_ready is not None:
+      streams.append(Stream(ids_src, ids_smem, self.ids_ready, self.ids_consumed))
+    if self.bias_ready is not None:
+      streams.append(Stream(bias_src, bias_smem, self.bias_ready, self.bias_consumed))
+    streams.append(Stream(v_src, v_smem, self.v_ready, self.v_consumed))
+    return tuple(streams)
 
   def sync_schedule(self):
     """Both compute warpgroups pass the schedule barrier (see the class docstring)."""

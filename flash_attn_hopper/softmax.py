@@ -57,12 +57,18 @@ class Logits(NamedTuple):
     """The factor c of 2^(c·x − m) for the logits `transform` returns."""
     return LOG2E if self.soft_cap else self.scale * LOG2E
 
-  def transform(self, s):
-    """(the logits the softmax sees, the cap's derivative 1 − tanh² or None)."""
+  def transform(self, s, bias=None):
+    """(the logits the softmax sees, the cap's derivative 1 − tanh² or None), from raw
+    logits and an optional additive bias of the scaled logits (−inf: masked, also past the
+    cap)."""
     if not self.soft_cap:
-      return s, None
-    t = _tanh(s * (self.scale / self.soft_cap))
-    return t * self.soft_cap, 1.0 - t * t
+      return (s if bias is None else s + bias * (1.0 / self.scale)), None
+    x = s * self.scale if bias is None else s * self.scale + bias
+    t = _tanh(x * (1.0 / self.soft_cap))
+    capped = t * self.soft_cap
+    if bias is not None:
+      capped = jnp.where(bias == -jnp.inf, -jnp.inf, capped)
+    return capped, 1.0 - t * t
 
 
 def _tanh(x):

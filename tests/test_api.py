@@ -46,13 +46,20 @@ def test_unknown_implementation(rng):
 
 
 @pytest.mark.parametrize("name", ["bias", "mask"])
-def test_kernel_names_unsupported_arguments(rng, name):
-  q, k, v = _qkv(rng)
-  values = dict(bias=jnp.zeros((1, 4, 16, 24)), mask=jnp.ones((1, 4, 16, 24), bool),
-                query_seq_lengths=jnp.array([3], jnp.int32),
-                key_value_seq_lengths=jnp.array([5], jnp.int32), local_window_size=4)
-  with pytest.raises(NotImplementedError, match=f"`{name}`.*implementation='xla'"):
+def test_kernel_says_where_bias_and_mask_do_not_fit(rng, name):
+  q, k, v = _qkv(rng, d=256)
+  values = dict(bias=jnp.zeros((1, 4, 16, 24)), mask=jnp.ones((1, 4, 16, 24), bool))
+  with pytest.raises(NotImplementedError, match="`bias` or `mask` at head_dim=256.*'xla'"):
     fah.dot_product_attention(q, k, v, **{name: values[name]}, interpret=True)
+
+
+@pytest.mark.parametrize("name, shape", [("bias", (2, 4, 16, 24)), ("mask", (1, 3, 16, 24)),
+                                         ("bias", (16, 1, 1, 1, 24))])
+def test_bias_and_mask_shapes_are_named(rng, name, shape):
+  q, k, v = _qkv(rng)
+  value = jnp.zeros(shape, bool if name == "mask" else jnp.float32)
+  with pytest.raises(ValueError, match=f"{name} must be broadcastable to"):
+    fah.dot_product_attention(q, k, v, **{name: value}, interpret=True)
 
 
 def test_kernel_names_supported_dtypes(rng):

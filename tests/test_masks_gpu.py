@@ -96,3 +96,16 @@ def test_soft_cap_forward_and_gradients(rng, d, dtype, is_causal):
   q, k, v = testing.random_qkv(rng, w, dtype)
   kw = dict(is_causal=is_causal, logits_soft_cap=5.0, scale=2.0 / d ** 0.5)  # past the cap
   _check_forward_and_gradients(rng, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("d, is_causal", tiered([(128, False), (64, True)],
+                                                lambda i, case: case == (128, False)))
+def test_bias_and_mask_forward_and_gradients(rng, d, is_causal):
+  t = s = 2048
+  w = workloads.Workload("bias", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
+                         head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  bias = jnp.asarray(rng.standard_normal((2, 1, t, s)), jnp.bfloat16)     # per batch element
+  mask = jnp.asarray(rng.random((1, 8, t, s)) > 0.2)                       # per head
+  mask = mask & (jnp.arange(s) < 1500)                                     # blocks skipped
+  _check_forward_and_gradients(rng, q, k, v, is_causal=is_causal, bias=bias, mask=mask)

@@ -153,3 +153,46 @@ def test_soft_cap_matches_reference(rng, t, s, d, is_causal, cap, extra):
   q, k, v = _gqa_inputs(rng, 1, t, s, d)
   _check_forward_and_gradients(rng, q, k, v, _config(d), is_causal=is_causal,
                                logits_soft_cap=cap, **extra)
+
+
+def _bias_cases(rng, t, s, name):
+  """(bias, mask) of a named layout for batch 2, 4 query heads."""
+  bias = jnp.asarray(rng.standard_normal((2, 1, t, s)), jnp.float32)  # per batch, all heads
+  mask = jnp.asarray(rng.random((1, 4, t, s)) > 0.3)                    # per head
+  mask = mask.at[0, 1, 5].set(False)                                   # a row that sees nothing
+  mask = mask & (jnp.arange(s) < s // 2)                                # whole blocks skipped
+  padding = jnp.asarray(np.arange(s)[None, None, None, :] < np.array([s, s // 3])[:, None, None, None])
+  return {"bias": dict(bias=bias), "mask": dict(mask=mask),
+          "both": dict(bias=bias, mask=mask), "key padding": dict(mask=padding)}[name]
+
+
+BIAS_CASES = [
+    # (T, S, D, is_causal, layout)
+    (200, 300, 64, False, "bias"),
+    (200, 300, 64, True, "mask"),
+    (150, 150, 128, False, "both"),
+    (130, 200, 64, False, "key padding"),  # (B, 1, 1, S): broadcast over heads and queries
+]
+
+
+@pytest.mark.parametrize("t, s, d, is_causal, layout", BIAS_CASES)
+def test_bias_and_mask_match_reference(rng, t, s, d, is_causal, layout):
+  q, k, v = _gqa_inputs(rng, 2, t, s, d)
+  kw = dict(is_causal=is_causal, **_bias_cases(rng, t, s, layout))
+  _check_forward_and_gradients(rng, q, k, v, None, **kw)
+
+
+def test_bias_gradient_matches_reference(rng):
+  """The bias's own gradient (dS summed over its broadcast dims), for a random cotangent."""
+  q, k, v = _gqa_inputs(rng, 2, 130, 170, 64)
+  bias = jnp.asarray(rng.standard_normal((2, 1, 130, 170)), jnp.bfloat16)
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  kw = dict(is_causal=True)
+  dbias = jax.vjp(lambda b: fah.dot_product_attention(q, k, v, bias=b, interpret=True, **kw),
+                  bias)[1](dout)[0]
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jax.vjp(lambda b: fah.attention_reference(f32(q), f32(k), f32(v), bias=b, **kw),
+                f32(bias))[1](f32(dout))[0]
+  naive = jax.vjp(lambda b: testing.naive_attention(q, k, v, bias=b, **kw), bias)[1](dout)[0]
+  assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+  testing.assert_close_to_reference(dbias, ref, naive, what="dbias")

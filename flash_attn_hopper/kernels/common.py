@@ -62,6 +62,9 @@ class AttentionOptions:
   segments: bool = False
   #: Gemma 2's logits soft-cap (cap·tanh(x / cap) of the scaled logits), or None.
   soft_cap: float | None = None
+  #: Whether an additive bias of the scaled logits comes along (`mask` arrives as one, −inf
+  #: where masked): None, or whether it varies over (batch, head); see `MaskInputs.bias`.
+  bias: tuple[bool, bool] | None = None
 
   @property
   def is_causal(self) -> bool:
@@ -96,12 +99,16 @@ COLUMNS = plgpu.Layout.WGMMA.reduce(0)
 
 class MaskInputs(NamedTuple):
   """The data-dependent mask inputs of one kernel call, in global memory (each None when
-  absent): keys per batch element, the segment ids of queries and keys, and the block spans
-  of the tiles' segments (`masking.segment_spans`, rows of whatever the kernel tiles)."""
+  absent): keys per batch element, the segment ids of queries and keys, the block spans
+  of the tiles' segments (`masking.segment_spans`, rows of whatever the kernel tiles), and
+  a bias of the scaled logits, (B|1, N|1, T/block_q, block_q, S) in the inputs' dtype, with
+  the spans of the blocks its −inf entries leave visible (`masking.mask_spans`)."""
   kv_lens: object = None
   q_ids: object = None
   kv_ids: object = None
   spans: object = None
+  bias: object = None
+  bias_spans: object = None
 
   @classmethod
   def split(cls, refs, opts: "AttentionOptions"):
@@ -110,7 +117,8 @@ class MaskInputs(NamedTuple):
     refs = list(refs)
     kv_lens = refs.pop(0) if opts.kv_lens else None
     ids = [refs.pop(0) for _ in range(3)] if opts.segments else [None] * 3
-    return cls(kv_lens, *ids), refs
+    bias = [refs.pop(0) for _ in range(2)] if opts.bias else [None] * 2
+    return cls(kv_lens, *ids, *bias), refs
 
   @classmethod
   def of(cls, kv_lens, segment_ids, opts: "AttentionOptions", *, seq_q: int, seq_kv: int,
@@ -126,6 +134,17 @@ class MaskInputs(NamedTuple):
     else:
       spans = masking.segment_spans(ids.q, ids.kv, block_q, block_kv)
     return cls(kv_lens, ids.q, ids.kv, spans)
+
+  def with_bias(self, bias, *, seq_q: int, block_q: int, block_kv: int) -> "MaskInputs":
+    """Adds a (B|1, N|1, T, S) bias (None: unchanged), padded to seq_q rows (whole tiles)
+    and split into blocks of block_q rows for the kernels' 3-D TMA copies, with its spans."""
+    if bias is None:
+      return self
+    bb, nb, t, s = bias.shape
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, seq_q - t), (0, 0)), constant_values=-jnp.inf)
+    spans = masking.mask_spans(bias > -jnp.inf, block_q, block_kv)
+    return self._replace(bias=bias.reshape(bb, nb, seq_q // block_q, block_q, s),
+                         bias_spans=spans)
 
   def arrays(self) -> tuple:
     """The inputs that are present, in the order `split` expects."""

@@ -67,6 +67,7 @@ class _Refs(NamedTuple):
   masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
   ids_ring: object = None    # segments: (num_stages, block_kv) int32, the keys' ids
+  bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_q, block_kv)
 
 
 def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
@@ -79,8 +80,19 @@ def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
   return ids
 
 
-def _kv_step(step, carry, *, refs, bars, dims, opts, q0, q_ids, seq_kv, ring0, end, q_smem,
-             p_staging, masked):
+def _bias_tile(bars: pipeline.Barriers, refs: _Refs, slot, wg, load: bool):
+  """With a bias, observes the slot's tile (and loads warpgroup `wg`'s rows of it, float32,
+  in the logits' layout, when `load`); else None."""
+  if refs.bias_ring is None:
+    return None
+  plgpu.barrier_wait(bars.bias_ready.at[slot])
+  tile = refs.bias_ring.at[slot, wg][...].astype(jnp.float32) if load else None
+  plgpu.barrier_arrive(bars.bias_consumed.at[slot])
+  return tile
+
+
+def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring0, end,
+             q_smem, p_staging, masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
   `ring0 + step` is block `step`'s ring position (the ring runs on across tiles); `end` is
@@ -96,8 +108,8 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, q0, q_ids, seq_kv, ring0, e
 
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
-  s, _ = opts.logits.transform(s)
   k_ids = _key_ids(bars, refs, slot, load=masked)
+  s, _ = opts.logits.transform(s, _bias_tile(bars, refs, slot, wg, load=True))
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
                                    segments=None if k_ids is None else (q_ids, k_ids))
@@ -138,6 +150,7 @@ def _release_step(step, _, *, refs, bars, opts, ring0):
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   _key_ids(bars, refs, slot, load=False)
+  _bias_tile(bars, refs, slot, None, load=False)
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
@@ -152,11 +165,22 @@ def _kv_blocks(tile: scheduler.Tile, q0, rows: int, refs: _Refs, dims, opts: For
   cfg = opts.config
   seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
   band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, cfg.block_kv)
-  if not opts.segments:
-    return band
-  spans = [masking.BlockRange.read(refs.masks.spans, tile.batch, q0 // cfg.block_q + i)
-           for i in range(rows // cfg.block_q)]
-  return band.intersect(functools.reduce(masking.BlockRange.union, spans))
+  blocks = [q0 // cfg.block_q + i for i in range(rows // cfg.block_q)]
+  union = lambda ranges: functools.reduce(masking.BlockRange.union, ranges)
+  if opts.segments:
+    band = band.intersect(union([masking.BlockRange.read(refs.masks.spans, tile.batch, i)
+                                 for i in blocks]))
+  if opts.bias:  # The blocks that a mask (a −inf bias) leaves visible.
+    index = _bias_index(tile, opts)
+    band = band.intersect(union([masking.BlockRange.read(refs.masks.bias_spans, *index, i)
+                                 for i in blocks]))
+  return band
+
+
+def _bias_index(tile: scheduler.Tile, opts: ForwardOptions):
+  """The (batch, head) of the bias that a tile reads: 0 along a broadcast dimension."""
+  batched, per_head = opts.bias
+  return (tile.batch if batched else 0), (tile.head if per_head else 0)
 
 
 def _cta_kv_blocks(tile: scheduler.Tile, refs: _Refs, dims: common.Dims, opts: ForwardOptions):
@@ -176,7 +200,7 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
   cta = _cta_kv_blocks(tile, refs, dims, opts)
   own = _kv_blocks(tile, q0, cfg.block_q, refs, dims, opts).within(cta)
   ring0 = ring0 - cta.first  # Ring position of block 0.
-  step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, q0=q0,
+  step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, wg=wg, q0=q0,
                            q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
                            q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
@@ -268,14 +292,24 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                               lambda step: refs.v.at[tile.batch, rows(step), kv_head],
                               refs.k_smem, refs.v_smem,
                               lambda step: refs.masks.kv_ids.at[tile.batch, rows(step)],
-                              refs.ids_ring)
+                              refs.ids_ring,
+                              lambda step: _bias_block(tile, rows(step), refs, opts),
+                              refs.bias_ring)
     num_steps = blocks.end - blocks.first
     pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
     return ring0 + num_steps
 
   total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
-  pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring),
-                 total, cfg.num_stages)
+  pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring,
+                                 None, refs.bias_ring), total, cfg.num_stages)
+
+
+def _bias_block(tile: scheduler.Tile, keys, refs: _Refs, opts: ForwardOptions):
+  """The bias of a tile's rows (one block_q block per compute warpgroup) and `keys`."""
+  bq = opts.config.block_q
+  return refs.masks.bias.at[(*_bias_index(tile, opts), pl.ds(tile.row0 // bq,
+                                                            pipeline.NUM_COMPUTE_WARPGROUPS),
+                             pl.ds(0, bq), keys)]
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
@@ -288,7 +322,8 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
-  separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True, segments=opts.segments)
+  separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True, segments=opts.segments,
+                        bias=bool(opts.bias))
   scratch = (
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
@@ -297,24 +332,29 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
       plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
       plgpu.SMEM((cfg.num_stages, cfg.block_kv), jnp.int32) if opts.segments else None,
+      common.smem_tile((cfg.num_stages, wgs, cfg.block_q, cfg.block_kv), dims.dtype)
+      if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
 
-  def scoped(q_smem, o_smem, k_smem, v_smem, lse_smem, q_ids_smem, ids_ring, *rest):
+  def scoped(q_smem, o_smem, k_smem, v_smem, lse_smem, q_ids_smem, ids_ring, bias_ring,
+             *rest):
     p_staging = rest[0] if staging else None
     barriers = pipeline.Barriers(*rest[len(staging):])
     refs = _Refs(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem,
                  q_smem if o_smem is None else o_smem, k_smem, v_smem, lse_smem, p_staging,
-                 masks, q_ids_smem, ids_ring)
+                 masks, q_ids_smem, ids_ring, bias_ring)
     _cta_body(refs, barriers, sched=sched, dims=dims, opts=opts)
 
   pl.run_scoped(scoped, *scratch, *staging,
-                *pipeline.Barriers.types(cfg.num_stages, segments=opts.segments),
+                *pipeline.Barriers.types(cfg.num_stages, segments=opts.segments,
+                                         bias=bool(opts.bias)),
                 collective_axes="wg")
 
 
-def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=None):
+def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=None,
+                      bias=None):
   """Runs the kernel on canonical inputs.
 
   Args:
@@ -324,6 +364,8 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=N
     kv_lens: (B,) int32 keys per batch element, given exactly when `opts.kv_lens`.
     segment_ids: `masking.SegmentIds` of (B, T) and (B, S), given exactly when
       `opts.segments`.
+    bias: (B|1, N|1, T, S) in q's dtype, added to the scaled logits (−inf masks; fully
+      masked blocks are skipped), given exactly when `opts.bias`.
 
   Returns:
     out (B, T, N, D) in q's dtype, and the LSE (B, N, T_tiles) in float32 (natural log),
@@ -341,6 +383,8 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=N
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
   masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_tiles * cfg.rows_per_cta,
                               seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
+  masks = masks.with_bias(bias, seq_q=num_tiles * cfg.rows_per_cta, block_q=cfg.block_q,
+                          block_kv=cfg.block_kv)
   return common.launch(
       functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v, *masks.arrays(),
       out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
