@@ -9,7 +9,10 @@ Times four things in one run on a Hopper GPU, forward and forward+backward, bf16
   (its overhead should stay under 3%);
 - padding: key_value_seq_lengths at half of S for every batch element, against no lengths;
 - packed sequences: 8 equal causal documents at T = S = 16k (`--packed-tokens`), as segment ids,
-  against dense causal over the same T (the documents should cost about 1/8 of it).
+  against dense causal over the same T (the documents should cost about 1/8 of it);
+- an all-True `mask` (a bias tile per block, nothing skipped) and the causal mask given as a
+  `mask` (blocks above the diagonal skipped), at the packed pair's T, against no mask and
+  `is_causal` (what a data mask costs over the static band).
 
 Each line prints the two medians and their ratio; off Hopper, tiny shapes run in interpret mode
 with the wall-clock timer (a smoke run only).
@@ -74,6 +77,9 @@ def main() -> int:
       "kv lengths S/2 vs none": (t, dict(key_value_seq_lengths=half), {}),
       f"packed: {docs} causal documents vs dense causal": (
           t_packed, dict(segment_ids=documents, is_causal=True), dict(is_causal=True)),
+      "all-True mask vs no mask": (t_packed, dict(mask=jnp.ones((t_packed, t_packed), bool)), {}),
+      "causal as a mask vs is_causal": (
+          t_packed, dict(mask=jnp.tri(t_packed, dtype=bool)), dict(is_causal=True)),
   }
   print(f"B {b}, N {n}, K {kv}, D {d}, bf16, timer {timer}, median of {args.repeats} (ms)")
   inputs = {}

@@ -33,7 +33,8 @@ BLOCK_KV = 256
 def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
                        seq_kv: int | None = None, kv_lens=None,
                        segment_ids: masking.SegmentIds | None = None,
-                       soft_cap: float | None = None, bias=None, block_kv: int = BLOCK_KV):
+                       soft_cap: float | None = None, bias=None, block_kv: int = BLOCK_KV,
+                       grad_dtype=None):
   """Gradients of attention with respect to q, k and v, from the forward's residuals.
 
   Args:
@@ -47,6 +48,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
     soft_cap: None, or the logits soft-cap (`softmax.Logits`): P comes from the capped
       logits and dS carries the cap's derivative.
     bias: None, or an additive bias of the scaled logits, (B|1, N|1, T, S) (−inf masks).
+    grad_dtype: the dtype of dq, dk and dv (None: their inputs'); float32 for callers that
+      add several partial gradients (`ring`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (q, k, v); with a bias, also dbias, the logits'
@@ -121,9 +124,9 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
   dq, (dk, dv, dbias) = lax.scan(step, dq0, (jnp.arange(num_blocks), blocks(k), blocks(v),
                                               kv_ids, bias_blocks))
   unblock = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, num_blocks * block_kv, kv_heads, d)[:, :s]
-  grads = ((dq * scale).reshape(q.shape).astype(q.dtype),
-           (unblock(dk) * scale).astype(k.dtype),
-           unblock(dv).astype(v.dtype))
+  grads = ((dq * scale).reshape(q.shape).astype(grad_dtype or q.dtype),
+           (unblock(dk) * scale).astype(grad_dtype or k.dtype),
+           unblock(dv).astype(grad_dtype or v.dtype))
   if bias is None:
     return grads
   dbias = jnp.moveaxis(dbias, 0, 4).reshape(bias.shape[0], bias.shape[1], t,

@@ -2,7 +2,7 @@
 # The GPU check, run after every kernel change on an H200: the GPU tests, then the forward
 # benchmark against cuDNN and JAX's attention_mgpu on the race grid (B·T = 16k tokens, hidden
 # 2048, T 1k/4k/16k, D 64/128/256, causal and not, fp16 and bf16).
-#   PYTHONPATH=. bash scripts/gpu_check.sh [all|tests|bench|backward|masks] [OUT_DIR]
+#   PYTHONPATH=. bash scripts/gpu_check.sh [all|tests|bench|backward|masks|ring] [OUT_DIR]
 # Each part fits one 10-minute device call on its own (the ~45 tests of the quick tier take
 # ~8 minutes as 8 parallel processes; FAH_GPU_FULL=1 adds the `full` tier's ~85, which needs
 # two or three calls with FAH_SKIP_PASSED); `all` runs both, each within its time budget
@@ -14,8 +14,8 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part="${1:-all}"
 out="${2:-${OUT:-bench/results}}"
-case "$part" in all|tests|bench|backward|masks) ;;
-  *) echo "usage: $0 [all|tests|bench|backward|masks] [OUT_DIR]" >&2; exit 2 ;; esac
+case "$part" in all|tests|bench|backward|masks|ring) ;;
+  *) echo "usage: $0 [all|tests|bench|backward|masks|ring] [OUT_DIR]" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -30,6 +30,11 @@ if [[ $part == backward ]]; then  # the backward issue's grid: fwd+bwd and bwd a
 fi
 if [[ $part == masks ]]; then  # the masks issue's speed pairs
   python3 -m bench.masks 2>&1 | tee "$out/bench_masks.log"
+  exit "${PIPESTATUS[0]}"
+fi
+if [[ $part == ring ]]; then  # on a machine with 2+ GPUs: the ring's tests, then its scaling
+  python3 -m pytest -q -m gpu tests/test_ring_gpu.py 2>&1 | tail -n 20
+  python3 -m bench.ring 2>&1 | tee "$out/bench_ring.log"
   exit "${PIPESTATUS[0]}"
 fi
 
