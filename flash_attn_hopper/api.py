@@ -150,7 +150,8 @@ def _as_bias(bias, mask, shape, dtype):
 
 
 def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
-                      segment_ids=None, soft_cap=None, backward_config=None, bias=None):
+                      segment_ids=None, soft_cap=None, backward_config=None, bias=None,
+                      bias_grad=False):
   """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
 
   Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
@@ -165,10 +166,11 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
                                        kv_lens=kv_lens is not None, segments=segments,
                                        soft_cap=soft_cap,
                                        bias=None if bias is None else (bias.shape[0] > 1,
-                                                                       bias.shape[1] > 1))
+                                                                       bias.shape[1] > 1),
+                                       bias_grad=bias_grad)
   if backward_config is not None:  # Checked now, not when a gradient is first taken.
     config_lib.resolve_backward_config(q.shape[-1], q.dtype, spec.is_causal, backward_config,
-                                       segments)
+                                       segments, bias is not None)
   q, k, v = _pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv), _pad_seq(v, cfg.block_kv)
   if segments:
     segment_ids = masking.pad_segment_ids(segment_ids, q.shape[1], k.shape[1])
@@ -264,8 +266,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     bias, mask: as in `jax.nn`, broadcastable to (B, N, T, S). The kernel adds them to the
       scaled logits as one bias tile per block (the mask as −inf, materialized to
       (B|1, N|1, T, S) in the inputs' dtype) and skips blocks a mask leaves fully invisible.
-      D 64 and 128 (at D 256 the tiles do not fit shared memory: NotImplementedError). The
-      gradients with a bias or a mask come from `blockwise` (XLA), bias's included.
+      D 64 and 128 (at D 256 the tiles do not fit shared memory: NotImplementedError). With
+      a mask alone the backward kernels stream the same tiles; with a `bias`, whose own
+      gradient dS they do not write, the gradients come from `blockwise` (XLA).
     query_seq_lengths, key_value_seq_lengths: (B,) int32, as in `jax.nn` (padding). Keys
       past a batch element's length are masked and their blocks skipped; output rows past a
       query's length are zero.
@@ -359,12 +362,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   batch = query.shape[0]
   q_lens = _lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  bias = _as_bias(bias, mask, (batch, query.shape[2], t, s), query.dtype)
+  combined = _as_bias(bias, mask, (batch, query.shape[2], t, s), query.dtype)
   out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
                                interpret=interpret, kv_lens=kv_lens, segment_ids=segments,
-                               soft_cap=soft_cap, backward_config=backward_config, bias=bias)
+                               soft_cap=soft_cap, backward_config=backward_config,
+                               bias=combined, bias_grad=bias is not None)
   # Which queries saw no key: known statically for a band, from the LSE for data masks.
-  empty = (jnp.isneginf(lse) if segments is not None or bias is not None else
+  empty = (jnp.isneginf(lse) if segments is not None or combined is not None else
            masking.empty_rows(spec, t, s, kv_lens))
   out = _as_jax_nn_for_empty_rows(out, value, empty)
   if q_lens is not None:  # As jax.nn: rows past a query's length are zero.

@@ -2,9 +2,10 @@
 
 Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ preprocess, dQ,
 dK/dV) at the head dims they were validated for on an H200; at the others (D 256, where the
-dK/dV accumulators do not fit the registers), and with a bias or a mask (whose tiles the
-backward kernels do not stream yet), it runs `blockwise`, FlashAttention's backward in XLA
-ops, with O(T) extra memory like the kernels (and the bias's gradient, shaped like it).
+dK/dV accumulators do not fit the registers), and when a bias's own gradient is wanted (the
+kernels stream bias tiles, a mask's included, but do not write dS out), it runs `blockwise`,
+FlashAttention's backward in XLA ops, with O(T) extra memory like the kernels (and the
+bias's gradient, shaped like it).
 """
 
 from __future__ import annotations
@@ -50,17 +51,17 @@ def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config):
 def _attention_bwd(opts, bwd_config, residuals, cotangents):
   q, k, v, masks, out, lse = residuals
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
-  if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS or opts.bias:
+  if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS or opts.bias_grad:
     dq, dk, dv, *dbias = _blockwise_backward(q, k, v, out, lse, dout, masks, opts)
     return dq, dk, dv, None, None, (dbias[0] if dbias else None)
   bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
                                     config=config_lib.resolve_backward_config(
                                         q.shape[-1], q.dtype, opts.is_causal, bwd_config,
-                                        opts.segments),
+                                        opts.segments, bool(opts.bias)),
                                     interpret=opts.interpret, seq_kv=opts.seq_kv,
                                     kv_lens=opts.kv_lens, segments=opts.segments,
-                                    soft_cap=opts.soft_cap)
-  return (*_backward(q, k, v, out, lse, dout, masks[:2], bwd_opts), None, None, None)
+                                    soft_cap=opts.soft_cap, bias=opts.bias)
+  return (*_backward(q, k, v, out, lse, dout, masks, bwd_opts), None, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

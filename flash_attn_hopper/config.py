@@ -105,12 +105,14 @@ class BackwardConfig:
   def __post_init__(self):
     _validate_tiles(self)
 
-  def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False) -> int:
+  def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False,
+                 bias: bool = False) -> int:
     """Shared memory of the larger of the two kernels.
 
     dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring.
     dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
-    (With `segments`, each adds its int32 ids: one tile's and a ring's.)"""
+    (With `segments`, each adds its int32 ids: one tile's and a ring's; with `bias`, a ring
+    of (2·block × block) bias tiles.)"""
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
     q_rows, kv_rows = wgs * self.block_q, wgs * self.block_kv
     ids = lambda tile_rows, ring_rows: (tile_rows + self.num_stages * ring_rows) * 4
@@ -121,11 +123,15 @@ class BackwardConfig:
     if segments:
       dq += ids(q_rows, self.block_kv)
       dkv += ids(kv_rows, self.block_q)
+    if bias:
+      dq += self.num_stages * q_rows * self.block_kv * itemsize
+      dkv += self.num_stages * kv_rows * self.block_q * itemsize
     return max(dq, dkv)
 
-  def check_fits(self, head_dim: int, itemsize: int, segments: bool = False) -> None:
+  def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
+                 bias: bool = False) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
-    need = self.smem_bytes(head_dim, itemsize, segments)
+    need = self.smem_bytes(head_dim, itemsize, segments, bias)
     if need > SMEM_BUDGET:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
@@ -158,13 +164,13 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 
 def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
                             config: BackwardConfig | None = None,
-                            segments: bool = False) -> BackwardConfig:
+                            segments: bool = False, bias: bool = False) -> BackwardConfig:
   """Picks the backward config: explicit, else tuned, else the default; checked to fit."""
   if config is None:
     config = TUNED_BACKWARD.get((head_dim, bool(is_causal)), BackwardConfig())
   elif not isinstance(config, BackwardConfig):
     raise TypeError(f"backward_config must be a BackwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, np.dtype(dtype).itemsize, segments)
+  config.check_fits(head_dim, np.dtype(dtype).itemsize, segments, bias)
   return config
 
 

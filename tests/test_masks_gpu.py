@@ -98,9 +98,12 @@ def test_soft_cap_forward_and_gradients(rng, d, dtype, is_causal):
   _check_forward_and_gradients(rng, q, k, v, **kw)
 
 
-@pytest.mark.parametrize("d, is_causal", tiered([(128, False), (64, True)],
-                                                lambda i, case: case == (128, False)))
-def test_bias_and_mask_forward_and_gradients(rng, d, is_causal):
+@pytest.mark.parametrize("d, is_causal, with_bias", tiered(
+    [(128, False, True), (64, True, False), (128, True, False), (64, False, True)],
+    lambda i, case: i < 2))
+def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
+  """With a bias, the gradients come from `blockwise`; a mask alone streams its tiles through
+  the backward kernels."""
   t = s = 2048
   w = workloads.Workload("bias", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
                          head_dim=d)
@@ -108,4 +111,5 @@ def test_bias_and_mask_forward_and_gradients(rng, d, is_causal):
   bias = jnp.asarray(rng.standard_normal((2, 1, t, s)), jnp.bfloat16)     # per batch element
   mask = jnp.asarray(rng.random((1, 8, t, s)) > 0.2)                       # per head
   mask = mask & (jnp.arange(s) < 1500)                                     # blocks skipped
-  _check_forward_and_gradients(rng, q, k, v, is_causal=is_causal, bias=bias, mask=mask)
+  _check_forward_and_gradients(rng, q, k, v, is_causal=is_causal, mask=mask,
+                               bias=bias if with_bias else None)

@@ -196,3 +196,16 @@ def test_bias_gradient_matches_reference(rng):
   naive = jax.vjp(lambda b: testing.naive_attention(q, k, v, bias=b, **kw), bias)[1](dout)[0]
   assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
   testing.assert_close_to_reference(dbias, ref, naive, what="dbias")
+
+
+def test_mask_gradients_come_from_the_backward_kernels(rng, monkeypatch):
+  """A mask alone (no bias to differentiate) streams its tiles through the dQ and dK/dV
+  kernels; `blockwise` must not run."""
+  from flash_attn_hopper import blockwise
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("blockwise ran for a mask")
+  monkeypatch.setattr(blockwise, "attention_backward", refuse)
+  q, k, v = _gqa_inputs(rng, 1, 150, 190, 64)
+  mask = jnp.asarray(rng.random((1, 4, 150, 190)) > 0.4) & (jnp.arange(190) < 120)
+  _check_forward_and_gradients(rng, q, k, v, CONFIG, mask=mask, is_causal=True)

@@ -12,7 +12,7 @@ from flash_attn_hopper.kernels import dq as dq_kernel
 
 
 def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv_lens=None,
-                       segment_ids=None):
+                       segment_ids=None, bias=None):
   """Gradients of attention with respect to q, k and v.
 
   Args:
@@ -22,6 +22,8 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
     opts: static options.
     kv_lens: (B,) int32 keys per batch element, given exactly when `opts.kv_lens`.
     segment_ids: `masking.SegmentIds` padded like q and k, given exactly when `opts.segments`.
+    bias: (B|1, N|1, T, S) padded like q and k (−inf masks), given exactly when `opts.bias`;
+      its own gradient is not computed here (see `autodiff`).
 
   Returns:
     (dq, dk, dv), shaped and typed like (q, k, v). dK and dV are summed over each GQA group
@@ -32,9 +34,9 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_tiles - t)))
   lse_log2 = lse * softmax.LOG2E
-  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids)
+  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
   # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,
   # and the CPU interpreter deadlocks when XLA runs two interpreted kernels at once.
   q, dq = lax.optimization_barrier((q, dq))
-  dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids)
+  dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
   return dq, dk, dv

@@ -65,6 +65,9 @@ class AttentionOptions:
   #: Whether an additive bias of the scaled logits comes along (`mask` arrives as one, −inf
   #: where masked): None, or whether it varies over (batch, head); see `MaskInputs.bias`.
   bias: tuple[bool, bool] | None = None
+  #: Whether the bias's gradient is wanted (a user's `bias`, not only a `mask`): the
+  #: backward kernels do not produce it, so `autodiff` then runs `blockwise`.
+  bias_grad: bool = False
 
   @property
   def is_causal(self) -> bool:
@@ -135,20 +138,57 @@ class MaskInputs(NamedTuple):
       spans = masking.segment_spans(ids.q, ids.kv, block_q, block_kv)
     return cls(kv_lens, ids.q, ids.kv, spans)
 
-  def with_bias(self, bias, *, seq_q: int, block_q: int, block_kv: int) -> "MaskInputs":
-    """Adds a (B|1, N|1, T, S) bias (None: unchanged), padded to seq_q rows (whole tiles)
-    and split into blocks of block_q rows for the kernels' 3-D TMA copies, with its spans."""
+  def with_bias(self, bias, *, rows: int, row_block: int, col_block: int,
+                tiles_are_keys: bool = False) -> "MaskInputs":
+    """Adds a (B|1, N|1, T, S) bias (None: unchanged) as the kernel tiles it: rows are
+    queries (transposed to keys first with `tiles_are_keys`, for the dK/dV kernel), padded
+    with −inf to `rows` (whole tiles) and split into blocks of row_block rows for the
+    kernels' 3-D TMA copies; with the spans of column blocks its −inf entries leave."""
     if bias is None:
       return self
-    bb, nb, t, s = bias.shape
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, seq_q - t), (0, 0)), constant_values=-jnp.inf)
-    spans = masking.mask_spans(bias > -jnp.inf, block_q, block_kv)
-    return self._replace(bias=bias.reshape(bb, nb, seq_q // block_q, block_q, s),
+    if tiles_are_keys:
+      bias = jnp.swapaxes(bias, 2, 3)
+    bb, nb, r, c = bias.shape
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)), constant_values=-jnp.inf)
+    spans = masking.mask_spans(bias > -jnp.inf, row_block, col_block)
+    return self._replace(bias=bias.reshape(bb, nb, rows // row_block, row_block, c),
                          bias_spans=spans)
 
   def arrays(self) -> tuple:
     """The inputs that are present, in the order `split` expects."""
     return tuple(x for x in self if x is not None)
+
+
+def bias_index(batch, head, opts: AttentionOptions):
+  """The (batch, head) of the bias a tile reads: 0 along a dimension the bias broadcasts."""
+  batched, per_head = opts.bias
+  return (batch if batched else 0), (head if per_head else 0)
+
+
+def bias_block(masks: MaskInputs, opts: AttentionOptions, batch, head, row0, cols):
+  """The global-memory view of one step's bias tile: the rows [row0, row0 + 2·block) (one
+  block per compute warpgroup, `block` the kernel's row block) and the columns `cols`."""
+  block = masks.bias.shape[3]
+  return masks.bias.at[(*bias_index(batch, head, opts),
+                        pl.ds(row0 // block, pipeline.NUM_COMPUTE_WARPGROUPS),
+                        pl.ds(0, block), cols)]
+
+
+def narrow_kv_blocks(band: masking.BlockRange, masks: MaskInputs, opts: AttentionOptions, *,
+                     batch, head, q0, rows: int) -> masking.BlockRange:
+  """A Q tile's KV blocks (the band's), narrowed to those that share a segment with its rows
+  and that a mask (a −inf bias) leaves visible, from the spans in `masks`."""
+  bq = opts.config.block_q
+  blocks = [q0 // bq + i for i in range(rows // bq)]
+  union = lambda ranges: functools.reduce(masking.BlockRange.union, ranges)
+  if opts.segments:
+    band = band.intersect(union([masking.BlockRange.read(masks.spans, batch, i)
+                                 for i in blocks]))
+  if opts.bias:
+    index = bias_index(batch, head, opts)
+    band = band.intersect(union([masking.BlockRange.read(masks.bias_spans, *index, i)
+                                 for i in blocks]))
+  return band
 
 
 def smem_tile(shape, dtype):

@@ -55,6 +55,7 @@ class _Refs(NamedTuple):
   masks: common.MaskInputs  # key lengths, segment ids and spans (per key block)
   k_ids_smem: object = None  # segments: (compute warpgroups, block_kv) int32
   q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
+  bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_kv, block_q), Bᵀ
 
 
 class _Tile(NamedTuple):
@@ -97,18 +98,24 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
-  q_s, do_s, lse_s, delta_s, *ids_s = streams
+  q_s, do_s, lse_s, delta_s, *extra = streams  # (and the queries' ids, the bias)
+  ids_s = extra.pop(0) if opts.segments else None
+  bias_s = extra.pop(0) if opts.bias else None
   for stream in streams:
     plgpu.barrier_wait(stream.ready.at[slot])
   k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
   staging = None if refs.staging is None else refs.staging.at[wg]
 
+  bias_t = None
+  if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile.
+    bias_t = refs.bias_ring.at[slot, wg][...].astype(jnp.float32)
+    plgpu.barrier_arrive(bias_s.consumed.at[slot])
   st, cap_grad = opts.logits.transform(
-      common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q)))
+      common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q)), bias_t)
   segments = None
   if opts.segments:
     segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
-    plgpu.barrier_arrive(ids_s[0].consumed.at[slot])
+    plgpu.barrier_arrive(ids_s.consumed.at[slot])
   if opts.mask.banded or opts.kv_lens or opts.segments:  # Every step: queries may straddle
     _, q0 = _step_rows(step, tile, dims, cfg)              # the band's or a segment's edges.
     key0 = tile.key0 + wg * cfg.block_kv
@@ -186,6 +193,10 @@ def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
   if opts.segments:
     srcs.append(lambda step: refs.masks.q_ids.at[tile.batch, rows(step)[1]])
     rings.append(refs.q_ids_ring)
+  if opts.bias:  # Bᵀ: this CTA's keys (a block per compute warpgroup) × the step's queries.
+    srcs.append(lambda step: common.bias_block(refs.masks, opts, tile.batch, rows(step)[0],
+                                               tile.key0, rows(step)[1]))
+    rings.append(refs.bias_ring)
   return tuple(pipeline.Stream(src, ring, ready, consumed)
                for src, ring, (ready, consumed) in zip(srcs, rings, barriers))
 
@@ -204,17 +215,20 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       plgpu.SMEM((stages, cfg.block_q), jnp.float32),
       plgpu.SMEM((wgs, cfg.block_kv), jnp.int32) if opts.segments else None,
       plgpu.SMEM((stages, cfg.block_q), jnp.int32) if opts.segments else None,
+      common.smem_tile((stages, wgs, cfg.block_kv, cfg.block_q), dims.dtype)
+      if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,
                                      interpret=opts.interpret)
-  num_streams = 5 if opts.segments else 4
+  num_streams = 4 + bool(opts.segments) + bool(opts.bias)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
-             *rest):
+             bias_ring, *rest):
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
-                 delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring)
+                 delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
+                 bias_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
     tile = _tile(masks, dims, opts)
     streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
@@ -228,7 +242,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
 
 
 def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
-        segment_ids=None):
+        segment_ids=None, bias=None):
   """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
@@ -238,6 +252,8 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
                               seq_q=pl.cdiv(q.shape[1], cfg.block_q) * cfg.block_q,
                               seq_kv=num_kv_tiles * keys, block_q=cfg.block_q,
                               block_kv=cfg.block_kv, tiles_are_keys=True)
+  masks = masks.with_bias(bias, rows=num_kv_tiles * keys, row_block=cfg.block_kv,
+                          col_block=cfg.block_q, tiles_are_keys=True)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,

@@ -67,14 +67,26 @@ def _key_ids(ids_s, slot, load: bool):
   return ids
 
 
-def _kv_step(step, carry, *, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
-             refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
+def _bias_tile(bias_s, slot, wg):
+  """With a bias (`bias_s` is its stream), this warpgroup's rows of the slot's tile, float32
+  in the logits' layout; else None."""
+  if bias_s is None:
+    return None
+  plgpu.barrier_wait(bias_s.ready.at[slot])
+  tile = bias_s.smem.at[slot, wg][...].astype(jnp.float32)
+  plgpu.barrier_arrive(bias_s.consumed.at[slot])
+  return tile
+
+
+def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
+             bias_s, refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
   plgpu.barrier_wait(k_s.ready.at[slot])
   s, cap_grad = opts.logits.transform(
-      common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv)))
+      common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv)),
+      _bias_tile(bias_s, slot, wg))
   k_ids = _key_ids(ids_s, slot, load=masked)
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
@@ -129,14 +141,16 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
   cfg = opts.config
   q0 = _load_tile(wg, tile, refs, tile_ready, opts)
-  k_s, *ids_s, v_s = streams
+  k_s, *extra, v_s = streams  # K, (the keys' ids,) (the bias,) V
+  ids_s = extra.pop(0) if opts.segments else None
+  bias_s = extra.pop(0) if opts.bias else None
   q_ids = plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
   ring0 = -cta.first
   step = functools.partial(
-      _kv_step, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0,
+      _kv_step, wg=wg, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0,
       lse=plgpu.load(refs.lse_smem.at[wg], layout=common.ROWS),
       delta=plgpu.load(refs.delta_smem.at[wg], layout=common.ROWS), k_s=k_s, v_s=v_s,
-      ids_s=ids_s[0] if ids_s else None, refs=refs,
+      ids_s=ids_s, bias_s=bias_s, refs=refs,
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
   own = _kv_blocks(tile, q0, cfg.block_q, seq_kv, refs, opts).within(cta)
@@ -153,15 +167,11 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
 
 
 def _kv_blocks(tile: _Tile, q0, rows: int, seq_kv, refs: _Refs, opts) -> masking.BlockRange:
-  """The KV blocks the rows [q0, q0 + rows) saw in the forward: the band's, narrowed to the
-  blocks that share a segment with them."""
-  cfg = opts.config
-  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, cfg.block_kv)
-  if not opts.segments:
-    return band
-  spans = [masking.BlockRange.read(refs.masks.spans, tile.batch, q0 // cfg.block_q + i)
-           for i in range(rows // cfg.block_q)]
-  return band.intersect(functools.reduce(masking.BlockRange.union, spans))
+  """The KV blocks the rows [q0, q0 + rows) saw in the forward: the band's, narrowed by
+  segments and a mask."""
+  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.block_kv)
+  return common.narrow_kv_blocks(band, refs.masks, opts, batch=tile.batch, head=tile.head,
+                                 q0=q0, rows=rows)
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
@@ -178,15 +188,17 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
       plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
       plgpu.SMEM((stages, cfg.block_kv), jnp.int32) if opts.segments else None,
+      common.smem_tile((stages, wgs, cfg.block_q, cfg.block_kv), dims.dtype)
+      if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
-  num_streams = 3 if opts.segments else 2  # K, (the keys' ids,) V
+  num_streams = 2 + bool(opts.segments) + bool(opts.bias)  # K, (ids,) (bias,) V
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
 
   def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, q_ids_smem, ids_ring,
-             *rest):
+             bias_ring, *rest):
     refs = _Refs(q, k, v, do, lse, delta, dq, q_smem, do_smem, lse_smem, delta_smem, k_ring,
                  v_ring, rest[0] if staging else None, masks, q_ids_smem, ids_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
@@ -199,7 +211,11 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
     srcs = [lambda step: k.at[tile.batch, rows(step), kv_head],
             lambda step: v.at[tile.batch, rows(step), kv_head]]
     rings = [k_ring, v_ring]
-    if opts.segments:  # The keys' ids go between K and V.
+    if opts.bias:  # The bias and the keys' ids go between K and V.
+      srcs.insert(1, lambda step: common.bias_block(masks, opts, tile.batch, tile.head,
+                                                    tile.row0, rows(step)))
+      rings.insert(1, bias_ring)
+    if opts.segments:
       srcs.insert(1, lambda step: masks.kv_ids.at[tile.batch, rows(step)])
       rings.insert(1, ids_ring)
     streams = tuple(pipeline.Stream(src, ring, ready, consumed) for src, ring, ready, consumed
@@ -213,7 +229,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
 
 
 def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
-       segment_ids=None):
+       segment_ids=None, bias=None):
   """dQ (B, T, N, D) in Q's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
@@ -221,6 +237,8 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
   num_q_tiles = pl.cdiv(q.shape[1], rows)
   masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_q_tiles * rows,
                               seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
+  masks = masks.with_bias(bias, rows=num_q_tiles * rows, row_block=cfg.block_q,
+                          col_block=cfg.block_kv)
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
       *masks.arrays(), out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),

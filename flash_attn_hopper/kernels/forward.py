@@ -162,25 +162,10 @@ def _release_step(step, _, *, refs, bars, opts, ring0):
 def _kv_blocks(tile: scheduler.Tile, q0, rows: int, refs: _Refs, dims, opts: ForwardOptions):
   """The KV blocks that the rows [q0, q0 + rows) of a tile visit: the band's, narrowed to
   the blocks that share a segment with them."""
-  cfg = opts.config
   seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
-  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, cfg.block_kv)
-  blocks = [q0 // cfg.block_q + i for i in range(rows // cfg.block_q)]
-  union = lambda ranges: functools.reduce(masking.BlockRange.union, ranges)
-  if opts.segments:
-    band = band.intersect(union([masking.BlockRange.read(refs.masks.spans, tile.batch, i)
-                                 for i in blocks]))
-  if opts.bias:  # The blocks that a mask (a −inf bias) leaves visible.
-    index = _bias_index(tile, opts)
-    band = band.intersect(union([masking.BlockRange.read(refs.masks.bias_spans, *index, i)
-                                 for i in blocks]))
-  return band
-
-
-def _bias_index(tile: scheduler.Tile, opts: ForwardOptions):
-  """The (batch, head) of the bias that a tile reads: 0 along a broadcast dimension."""
-  batched, per_head = opts.bias
-  return (tile.batch if batched else 0), (tile.head if per_head else 0)
+  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.block_kv)
+  return common.narrow_kv_blocks(band, refs.masks, opts, batch=tile.batch, head=tile.head,
+                                 q0=q0, rows=rows)
 
 
 def _cta_kv_blocks(tile: scheduler.Tile, refs: _Refs, dims: common.Dims, opts: ForwardOptions):
@@ -293,7 +278,8 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                               refs.k_smem, refs.v_smem,
                               lambda step: refs.masks.kv_ids.at[tile.batch, rows(step)],
                               refs.ids_ring,
-                              lambda step: _bias_block(tile, rows(step), refs, opts),
+                              lambda step: common.bias_block(refs.masks, opts, tile.batch,
+                                                             tile.head, tile.row0, rows(step)),
                               refs.bias_ring)
     num_steps = blocks.end - blocks.first
     pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
@@ -302,14 +288,6 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
   pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring,
                                  None, refs.bias_ring), total, cfg.num_stages)
-
-
-def _bias_block(tile: scheduler.Tile, keys, refs: _Refs, opts: ForwardOptions):
-  """The bias of a tile's rows (one block_q block per compute warpgroup) and `keys`."""
-  bq = opts.config.block_q
-  return refs.masks.bias.at[(*_bias_index(tile, opts), pl.ds(tile.row0 // bq,
-                                                            pipeline.NUM_COMPUTE_WARPGROUPS),
-                             pl.ds(0, bq), keys)]
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
@@ -383,8 +361,8 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=N
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
   masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_tiles * cfg.rows_per_cta,
                               seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
-  masks = masks.with_bias(bias, seq_q=num_tiles * cfg.rows_per_cta, block_q=cfg.block_q,
-                          block_kv=cfg.block_kv)
+  masks = masks.with_bias(bias, rows=num_tiles * cfg.rows_per_cta, row_block=cfg.block_q,
+                          col_block=cfg.block_kv)
   return common.launch(
       functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v, *masks.arrays(),
       out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
