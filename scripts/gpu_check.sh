@@ -21,12 +21,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 tests=0 bench=0
 
-if [[ $part == backward ]]; then  # the backward issue's grid: fwd+bwd and bwd against cuDNN
+if [[ $part == backward ]]; then  # the backward issue's grid against cuDNN, then 64k memory
   python3 -m bench --passes bwd,fwdbwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \
     --causal both --dtypes bfloat16,float16 --peers cudnn --repeats 5 \
     --time-budget "${FAH_BENCH_SECONDS:-540}" --no-progress --out "$out" --tag h200_backward \
     2>&1 | tee "$out/bench_backward.log" | tail -n 60
-  exit "${PIPESTATUS[0]}"
+  status=${PIPESTATUS[0]}
+  python3 -m bench.memory 2>&1 | tee "$out/bench_memory.log"  # 64k tokens: ours vs cuDNN
+  exit "$status"
 fi
 if [[ $part == masks ]]; then  # the masks issue's speed pairs
   python3 -m bench.masks 2>&1 | tee "$out/bench_masks.log"
