@@ -181,6 +181,38 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
+def _over_shards(run, q, k, v, kv_lens, segment_ids, bias):
+  """`run(q, k, v, kv_lens=, segment_ids=, bias=)` on each device's shard when q is sharded
+  over batch and/or heads on explicit mesh axes (the kernel is a custom call that XLA's
+  partitioner cannot split: without this it would gather Q, K and V on every device)."""
+  sharding = getattr(jax.typeof(q), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
+  b_ax, t_ax, n_ax, d_ax = spec[:4]
+  call = lambda q, k, v, kv_lens, ids, bias: run(q, k, v, kv_lens=kv_lens, segment_ids=ids,
+                                                 bias=bias)
+  if b_ax is None and n_ax is None and t_ax is None and d_ax is None:
+    return call(q, k, v, kv_lens, segment_ids, bias)
+  if t_ax is not None or d_ax is not None:
+    raise ValueError(f"query is sharded along the sequence or the head dim ({sharding.spec}); "
+                     "dot_product_attention shards batch and heads. For the sequence, use "
+                     "flash_attn_hopper.ring_attention (context parallelism)")
+  P = jax.sharding.PartitionSpec
+  if n_ax is not None:
+    size = int(np.prod([sharding.mesh.shape[a] for a in np.atleast_1d(n_ax)]))
+    if k.shape[2] % size:
+      raise ValueError(f"query's heads are sharded {size} ways, which does not divide the "
+                       f"{k.shape[2]} key/value heads; shard fewer ways or replicate heads")
+  heads = P(b_ax, None, n_ax, None)
+  place = lambda x: jax.reshard(x, jax.sharding.NamedSharding(sharding.mesh, heads))
+  bias_spec = None if bias is None else P(b_ax if bias.shape[0] > 1 else None,
+                                          n_ax if bias.shape[1] > 1 else None)
+  in_specs = (heads, heads, heads, None if kv_lens is None else P(b_ax),
+              None if segment_ids is None else P(b_ax), bias_spec)
+  return jax.shard_map(call, mesh=sharding.mesh, in_specs=in_specs,
+                       out_specs=(heads, P(b_ax, None, n_ax)))(
+      q, place(k), place(v), kv_lens, segment_ids, bias)
+
+
 def _as_jax_nn_for_empty_rows(out, v, empty):
   """jax.nn masks logits with a large finite negative, so a query that sees no key gets the
   mean of V over all keys. The kernel returns 0 there; this puts jax.nn's rows in.
@@ -363,10 +395,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   q_lens = _lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lens = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   combined = _as_bias(bias, mask, (batch, query.shape[2], t, s), query.dtype)
-  out, lse = _kernel_attention(query, key, value, scale=scale, spec=spec, config=config,
-                               interpret=interpret, kv_lens=kv_lens, segment_ids=segments,
-                               soft_cap=soft_cap, backward_config=backward_config,
-                               bias=combined, bias_grad=bias is not None)
+  run = functools.partial(_kernel_attention, scale=scale, spec=spec, config=config,
+                          interpret=interpret, soft_cap=soft_cap,
+                          backward_config=backward_config, bias_grad=bias is not None)
+  out, lse = _over_shards(run, query, key, value, kv_lens, segments, combined)
   # Which queries saw no key: known statically for a band, from the LSE for data masks.
   empty = (jnp.isneginf(lse) if segments is not None or combined is not None else
            masking.empty_rows(spec, t, s, kv_lens))

@@ -1,6 +1,7 @@
-"""Ring attention (context parallelism) on several host CPU devices, against the single-device
-reference, forward and gradients. Each device count runs `ring_check.py` in its own process,
-since the CPU device count is fixed when JAX starts."""
+"""Past one device, on several host CPU devices: ring attention (context parallelism) against
+the single-device reference, forward and gradients, and the op sharded over batch or heads.
+Each device count runs a script in its own process, since the CPU device count is fixed when
+JAX starts."""
 
 from __future__ import annotations
 
@@ -23,14 +24,27 @@ from flash_attn_hopper import workloads
 HERE = pathlib.Path(__file__).parent
 
 
-@pytest.mark.parametrize("num_devices", (2, 3, 4))
-def test_ring_matches_the_single_device_reference(num_devices):
+def _run_with_devices(script: str, num_devices: int) -> str:
+  """Runs tests/<script> with `num_devices` CPU devices; returns its output, or fails."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
              JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parent))
-  proc = subprocess.run([sys.executable, str(HERE / "ring_check.py")], env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([sys.executable, str(HERE / script)], env=env, capture_output=True,
+                        text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-  assert proc.stdout.count("devices") == 4, proc.stdout  # every case ran
+  return proc.stdout
+
+
+@pytest.mark.parametrize("num_devices", (2, 3, 4))
+def test_ring_matches_the_single_device_reference(num_devices):
+  out = _run_with_devices("ring_check.py", num_devices)
+  assert out.count("devices") == 4, out  # every case ran
+
+
+def test_batch_and_head_sharding_run_the_kernel_per_shard():
+  """Under jit with explicit mesh axes over batch or heads: a shard_map around the kernel,
+  local shapes, and no all-gather or all-to-all in the compiled program."""
+  out = _run_with_devices("sharding_check.py", 2)
+  assert out.count(": ok") == 9, out
 
 
 def test_zigzag_round_trips_and_balances_causal_work():
