@@ -116,7 +116,8 @@ class MaskInputs(NamedTuple):
   @classmethod
   def split(cls, refs, opts: "AttentionOptions"):
     """Splits a kernel's trailing refs into (MaskInputs, the rest): `kv_lens` when
-    `opts.kv_lens`, then (q_ids, kv_ids, spans) when `opts.segments`."""
+    `opts.kv_lens`, then (q_ids, kv_ids, spans) when `opts.segments`, then (bias,
+    bias_spans) when `opts.bias`."""
     refs = list(refs)
     kv_lens = refs.pop(0) if opts.kv_lens else None
     ids = [refs.pop(0) for _ in range(3)] if opts.segments else [None] * 3
