@@ -403,8 +403,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   empty = (jnp.isneginf(lse) if segments is not None or combined is not None else
            masking.empty_rows(spec, t, s, kv_lens))
   out = _as_jax_nn_for_empty_rows(out, value, empty)
-  if q_lens is not None:  # As jax.nn: rows past a query's length are zero.
-    out = jnp.where((jnp.arange(t)[None, :] < q_lens[:, None])[:, :, None, None], out, 0)
+  if q_lens is not None:  # As jax.nn: rows past a query's length are zero and see no key.
+    valid = (jnp.arange(t)[None, :] < q_lens[:, None])[:, :, None]
+    out = jnp.where(valid[..., None], out, 0)
+    lse = jnp.where(valid, lse, -jnp.inf)
   if squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out

@@ -24,6 +24,10 @@ SMEM_RESERVED_BYTES = 8 * 1024
 #: shared-memory row read by wgmma conflict-free.
 SWIZZLE_BYTES = 128
 
+#: Dimensions a TMA copy may stride over (cuTensorMapEncodeTiled's limit). The swizzled
+#: shared-memory tiling adds two to a copy's own, so a tiled copy has at most three.
+TMA_MAX_DIMS = 5
+
 #: Compute capability of the chips the kernels are written for (H100, H200, H800, H20).
 HOPPER_COMPUTE_CAPABILITY = "9.0"
 

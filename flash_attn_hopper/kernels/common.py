@@ -104,8 +104,9 @@ class MaskInputs(NamedTuple):
   """The data-dependent mask inputs of one kernel call, in global memory (each None when
   absent): keys per batch element, the segment ids of queries and keys, the block spans
   of the tiles' segments (`masking.segment_spans`, rows of whatever the kernel tiles), and
-  a bias of the scaled logits, (B|1, N|1, T/block_q, block_q, S) in the inputs' dtype, with
-  the spans of the blocks its −inf entries leave visible (`masking.mask_spans`)."""
+  a bias of the scaled logits, (B|1 · N|1 · T/block_q, block_q, S) in the inputs' dtype (see
+  `with_bias`), with the spans of the blocks its −inf entries leave visible
+  (`masking.mask_spans`, (B|1, N|1, T/block_q, 4))."""
   kv_lens: object = None
   q_ids: object = None
   kv_ids: object = None
@@ -143,8 +144,11 @@ class MaskInputs(NamedTuple):
                 tiles_are_keys: bool = False) -> "MaskInputs":
     """Adds a (B|1, N|1, T, S) bias (None: unchanged) as the kernel tiles it: rows are
     queries (transposed to keys first with `tiles_are_keys`, for the dK/dV kernel), padded
-    with −inf to `rows` (whole tiles) and split into blocks of row_block rows for the
-    kernels' 3-D TMA copies; with the spans of column blocks its −inf entries leave."""
+    with −inf to `rows` (whole tiles) and split into blocks of row_block rows, with every
+    leading dimension folded into the block index: a tile is then a 3-D TMA copy (two row
+    blocks × block rows × columns), whose swizzle tiling adds two dimensions to TMA's limit
+    of five (`hardware.TMA_MAX_DIMS`); with the spans of column blocks its −inf entries
+    leave."""
     if bias is None:
       return self
     if tiles_are_keys:
@@ -152,7 +156,7 @@ class MaskInputs(NamedTuple):
     bb, nb, r, c = bias.shape
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)), constant_values=-jnp.inf)
     spans = masking.mask_spans(bias > -jnp.inf, row_block, col_block)
-    return self._replace(bias=bias.reshape(bb, nb, rows // row_block, row_block, c),
+    return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, c),
                          bias_spans=spans)
 
   def arrays(self) -> tuple:
@@ -169,10 +173,11 @@ def bias_index(batch, head, opts: AttentionOptions):
 def bias_block(masks: MaskInputs, opts: AttentionOptions, batch, head, row0, cols):
   """The global-memory view of one step's bias tile: the rows [row0, row0 + 2·block) (one
   block per compute warpgroup, `block` the kernel's row block) and the columns `cols`."""
-  block = masks.bias.shape[3]
-  return masks.bias.at[(*bias_index(batch, head, opts),
-                        pl.ds(row0 // block, pipeline.NUM_COMPUTE_WARPGROUPS),
-                        pl.ds(0, block), cols)]
+  block = masks.bias.shape[1]
+  _, num_heads, row_blocks, _ = masks.bias_spans.shape
+  b, h = bias_index(batch, head, opts)
+  first = (b * num_heads + h) * row_blocks + row0 // block
+  return masks.bias.at[pl.ds(first, pipeline.NUM_COMPUTE_WARPGROUPS), pl.ds(0, block), cols]
 
 
 def narrow_kv_blocks(band: masking.BlockRange, masks: MaskInputs, opts: AttentionOptions, *,
