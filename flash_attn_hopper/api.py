@@ -121,8 +121,9 @@ def mask_spec(t: int, s: int, *, is_causal, local_window_size,
     raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got "
                      f"{causal_alignment!r}")
   left, right = _window(local_window_size)
-  return masking.MaskSpec(is_causal=bool(is_causal), left=left, right=right,
+  spec = masking.MaskSpec(is_causal=bool(is_causal), left=left, right=right,
                           offset=s - t if causal_alignment == "bottom_right" else 0)
+  return spec.without_idle_edges(t, s)
 
 
 def _as_bias(bias, mask, shape, dtype):

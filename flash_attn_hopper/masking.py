@@ -65,6 +65,18 @@ class MaskSpec:
       return 0 if self.right is None else min(self.right, 0)
     return self.right
 
+  def without_idle_edges(self, seq_q: int, seq_kv: int) -> "MaskSpec":
+    """The same band with each window side that masks no key of a (seq_q, seq_kv) problem
+    dropped (set to None), so that a window wider than the sequence runs as the unwindowed
+    kernel does (paired causal schedule, no edge blocks). The left side is idle when the
+    last query's diagonal, seq_q − 1 + offset, is within `left` of key 0; the right side
+    when the first query's, `offset`, is within `right` of key seq_kv − 1."""
+    idle_left = self.left is not None and seq_q - 1 + self.offset - self.left <= 0
+    left = None if idle_left else self.left
+    right = None if self.right is not None and self.offset + self.right >= seq_kv - 1 \
+        else self.right
+    return dataclasses.replace(self, left=left, right=right)
+
   @property
   def banded(self) -> bool:
     """Whether anything but the end of the keys is masked."""
@@ -170,11 +182,24 @@ class BlockRange(NamedTuple):
     return cls(*(spans_ref[(*index, i)] for i in range(4)))
 
   def union(self, other: "BlockRange") -> "BlockRange":
-    """The smallest range that covers both (what a CTA of two warpgroups streams); its
-    `full_*` are empty, as a CTA range's are never used for masking."""
+    """The smallest range that covers both (what a CTA of two warpgroups streams), whose
+    full blocks are those full in both (a block full for every row of the CTA)."""
     first = jnp.minimum(self.first, other.first)
-    end = jnp.maximum(self.end, other.end)
-    return BlockRange(first, first, first, jnp.maximum(end, first))
+    end = jnp.maximum(jnp.maximum(self.end, other.end), first)
+    full_lo = jnp.clip(jnp.maximum(self.full_lo, other.full_lo), first, end)
+    full_hi = jnp.clip(jnp.minimum(self.full_hi, other.full_hi), full_lo, end)
+    return BlockRange(first, full_lo, full_hi, end)
+
+  def full_within(self, other: "BlockRange") -> "BlockRange":
+    """The same blocks, with only those full in `other` too counted as full: a warpgroup's
+    range whose unmasked blocks must be ones its CTA streams no bias tile for."""
+    full_lo = jnp.clip(jnp.maximum(self.full_lo, other.full_lo), self.first, self.end)
+    full_hi = jnp.clip(jnp.minimum(self.full_hi, other.full_hi), full_lo, self.end)
+    return BlockRange(self.first, full_lo, full_hi, self.end)
+
+  def is_full(self, block):
+    """Whether `block` (traced) lies in [full_lo, full_hi)."""
+    return jnp.logical_and(block >= self.full_lo, block < self.full_hi)
 
 
 def _cdiv(a, b):
@@ -204,16 +229,21 @@ def segment_spans(row_ids, col_ids, row_block: int, col_block: int):
   return _spans(may, full)
 
 
-def mask_spans(mask, row_block: int, col_block: int):
-  """For each block of rows of a boolean (..., rows, cols) mask, the blocks of columns that
-  hold any visible entry: (..., row blocks, 4) int32 as `segment_spans` gives, with the whole
-  range "full" (the kernels add the mask as a bias tile, so no block needs it elementwise)."""
-  *lead, rows, cols = mask.shape
+def mask_spans(bias, row_block: int, col_block: int):
+  """For each block of rows of a (..., rows, cols) additive bias (−inf: masked), the blocks
+  of columns that hold any visible entry, and the first run of blocks whose bias is zero
+  throughout: (..., row blocks, 4) int32 as `segment_spans` gives. A mask's fully visible
+  blocks are such a run; the kernels stream no bias tile for them."""
+  *lead, rows, cols = bias.shape
   nr, nc = _cdiv(rows, row_block), _cdiv(cols, col_block)
-  padded = jnp.pad(mask, [(0, 0)] * len(lead) + [(0, nr * row_block - rows),
-                                                 (0, nc * col_block - cols)])
-  tiles = padded.reshape(*lead, nr, row_block, nc, col_block).any(axis=(-3, -1))
-  return _spans(tiles, None)
+  padded = jnp.pad(bias, [(0, 0)] * len(lead) + [(0, nr * row_block - rows),
+                                                 (0, nc * col_block - cols)],
+                   constant_values=-jnp.inf)
+  tiles = padded.reshape(*lead, nr, row_block, nc, col_block)
+  may = (tiles > -jnp.inf).any(axis=(-3, -1))
+  # Padding is −inf, so an edge block is never "zero throughout": it keeps its tile.
+  full = (tiles == 0).all(axis=(-3, -1))
+  return _spans(may, full)
 
 
 def _spans(may, full):

@@ -85,15 +85,16 @@ class Barriers:
             *(stream_barrier_types(num_stages) if bias else ()))
 
   def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None,
-                 bias_src=None, bias_smem=None) -> tuple:
+                 bias_src=None, bias_smem=None, bias_needed=None) -> tuple:
     """K then V, each `src(step)` a block view, as ring streams; with segment ids, the keys'
     ids stream between them, and with a bias its tiles (the mask and the bias are needed
-    before P V)."""
+    before P V), for the steps `bias_needed(step)` says (see `Stream.needed`)."""
     streams = [Stream(k_src, k_smem, self.k_ready, self.k_consumed)]
     if self.ids_ready is not None:
       streams.append(Stream(ids_src, ids_smem, self.ids_ready, self.ids_consumed))
     if self.bias_ready is not None:
-      streams.append(Stream(bias_src, bias_smem, self.bias_ready, self.bias_consumed))
+      streams.append(Stream(bias_src, bias_smem, self.bias_ready, self.bias_consumed,
+                            bias_needed))
     streams.append(Stream(v_src, v_smem, self.v_ready, self.v_consumed))
     return tuple(streams)
 
@@ -117,11 +118,16 @@ class Stream(NamedTuple):
     smem: the ring, (num_stages, *block).
     ready: one barrier per stage: the block of that slot landed.
     consumed: one barrier per stage, one arrival per compute warpgroup: the slot may be reused.
+    needed: None (every step is copied), or step -> whether its block is copied. A step
+      whose block is not needed still completes its slot's `ready` phase (the producer
+      arrives without a copy), so that every barrier keeps one phase per step and consumers
+      observe the slot as usual; they must not read it (a mask's fully visible tiles).
   """
   src: Callable
   smem: object
   ready: object
   consumed: object
+  needed: Callable | None = None
 
 
 def stream_barrier_types(num_stages: int) -> tuple:
@@ -144,7 +150,15 @@ def produce(streams, first_step, num_steps, num_stages: int):
     refill = ring_step >= num_stages  # The first pass over the ring has nothing to wait for.
     for stream in streams:
       pl.when(refill)(lambda stream=stream: plgpu.barrier_wait(stream.consumed.at[slot]))
-      plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
+      copy = lambda stream=stream: plgpu.copy_gmem_to_smem(
+          stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
+      if stream.needed is None:
+        copy()
+      else:
+        needed = stream.needed(step)
+        pl.when(needed)(copy)
+        pl.when(jnp.logical_not(needed))(
+            lambda stream=stream: plgpu.barrier_arrive(stream.ready.at[slot]))
 
 
 def drain(streams, total_steps, num_stages: int):

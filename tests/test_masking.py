@@ -147,3 +147,20 @@ def test_as_segment_ids_forms():
 def test_as_segment_ids_errors_name_the_argument(segment_ids, seq_kv, error, names):
   with pytest.raises(error, match=re.escape(names)):
     masking.as_segment_ids(segment_ids, 2, 3, seq_kv)
+
+
+@pytest.mark.parametrize("t, s, offset", [(7, 7, 0), (5, 9, 4), (9, 5, -4), (6, 6, 3)])
+def test_idle_window_edges_drop_without_changing_what_is_visible(t, s, offset):
+  q_ids, k_ids = np.arange(t)[:, None], np.arange(s)[None, :]
+  for is_causal in (False, True):
+    for left in (None, 0, 2, t + s):
+      for right in (None, 0, 3, t + s):
+        spec = masking.MaskSpec(is_causal=is_causal, left=left, right=right, offset=offset)
+        lean = spec.without_idle_edges(t, s)
+        visible = lambda m: np.broadcast_to(
+            True if m.visible(q_ids, k_ids) is None else m.visible(q_ids, k_ids), (t, s))
+        np.testing.assert_array_equal(visible(lean), visible(spec), err_msg=str(spec))
+        if left is not None and left >= t + s:
+          assert lean.left is None
+        if right is not None and right >= t + s:
+          assert lean.right is None

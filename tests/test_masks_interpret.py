@@ -162,8 +162,12 @@ def _bias_cases(rng, t, s, name):
   mask = mask.at[0, 1, 5].set(False)                                   # a row that sees nothing
   mask = mask & (jnp.arange(s) < s // 2)                                # whole blocks skipped
   padding = jnp.asarray(np.arange(s)[None, None, None, :] < np.array([s, s // 3])[:, None, None, None])
+  # Causal as a mask, shifted, with the last keys cut: blocks fully visible (no bias tile
+  # streamed), blocks on the edge, and blocks skipped.
+  shifted = (np.arange(s)[None, :] <= np.arange(t)[:, None] + 10) & (np.arange(s) < s - 30)
   return {"bias": dict(bias=bias), "mask": dict(mask=mask),
-          "both": dict(bias=bias, mask=mask), "key padding": dict(mask=padding)}[name]
+          "both": dict(bias=bias, mask=mask), "key padding": dict(mask=padding),
+          "visible blocks": dict(mask=jnp.asarray(shifted)[None, None])}[name]
 
 
 BIAS_CASES = [
@@ -172,6 +176,7 @@ BIAS_CASES = [
     (200, 300, 64, True, "mask"),
     (150, 150, 128, False, "both"),
     (130, 200, 64, False, "key padding"),  # (B, 1, 1, S): broadcast over heads and queries
+    (300, 320, 64, False, "visible blocks"),
 ]
 
 
@@ -179,7 +184,9 @@ BIAS_CASES = [
 def test_bias_and_mask_match_reference(rng, t, s, d, is_causal, layout):
   q, k, v = _gqa_inputs(rng, 2, t, s, d)
   kw = dict(is_causal=is_causal, **_bias_cases(rng, t, s, layout))
-  _check_forward_and_gradients(rng, q, k, v, None, **kw)
+  # 64-row blocks make fully visible blocks of "visible blocks" for rows 128 on.
+  _check_forward_and_gradients(rng, q, k, v, CONFIG if layout == "visible blocks" else None,
+                               **kw)
 
 
 def test_bias_gradient_matches_reference(rng):

@@ -155,7 +155,7 @@ class MaskInputs(NamedTuple):
       bias = jnp.swapaxes(bias, 2, 3)
     bb, nb, r, c = bias.shape
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)), constant_values=-jnp.inf)
-    spans = masking.mask_spans(bias > -jnp.inf, row_block, col_block)
+    spans = masking.mask_spans(bias, row_block, col_block)
     return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, c),
                          bias_spans=spans)
 

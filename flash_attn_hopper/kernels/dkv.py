@@ -73,16 +73,39 @@ def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOpti
   key0 = lax.axis_index("kv_tile") * wgs * cfg.block_kv
   blocks = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
   batch = lax.axis_index("batch")
+  kv_head = lax.axis_index("kv_head")
   if opts.segments:  # Only the query blocks that share a segment with the keys.
     spans = [masking.BlockRange.read(masks.spans, batch, key0 // cfg.block_kv + i)
              for i in range(wgs)]
     blocks = blocks.intersect(functools.reduce(masking.BlockRange.union, spans))
+  if opts.bias:  # And that a mask leaves visible to them, for some head of the group.
+    heads = range(dims.group) if opts.bias[1] else range(1)
+    blocks = blocks.intersect(functools.reduce(masking.BlockRange.union, [
+        _bias_q_blocks(masks, opts, batch, kv_head * dims.group + g, key0) for g in heads]))
   seq_kv = common.keys_of(batch, masks.kv_lens, dims)
   steps = blocks.end - blocks.first
   if opts.kv_lens:  # A tile past the batch element's keys runs no step: dK = dV = 0.
     steps = jnp.where(key0 < seq_kv, steps, 0)
-  return _Tile(batch=batch, kv_head=lax.axis_index("kv_head"), key0=key0,
+  return _Tile(batch=batch, kv_head=kv_head, key0=key0,
                q_block0=jnp.int32(blocks.first), steps_per_head=steps, seq_kv=seq_kv)
+
+
+def _bias_q_blocks(masks: common.MaskInputs, opts, batch, head, key0) -> masking.BlockRange:
+  """The query blocks a (transposed) bias leaves visible to the CTA's keys [key0, …) for
+  query head `head`, and those where it is zero for all of them (no tile streamed)."""
+  block = opts.config.block_kv
+  index = common.bias_index(batch, head, opts)
+  return functools.reduce(masking.BlockRange.union, [
+      masking.BlockRange.read(masks.bias_spans, *index, key0 // block + i)
+      for i in range(pipeline.NUM_COMPUTE_WARPGROUPS)])
+
+
+def _bias_needed(step, tile: _Tile, masks: common.MaskInputs, dims, opts):
+  """Whether step `step` streams a bias tile: not where the bias is zero for all the CTA's
+  keys (a mask's fully visible block)."""
+  head, q0 = _step_rows(step, tile, dims, opts.config)
+  blocks = _bias_q_blocks(masks, opts, tile.batch, head, tile.key0)
+  return ~blocks.is_full(q0 // opts.config.block_q)
 
 
 def _step_rows(step, tile: _Tile, dims, cfg):
@@ -107,8 +130,11 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   staging = None if refs.staging is None else refs.staging.at[wg]
 
   bias_t = None
-  if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile.
+  if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
     bias_t = refs.bias_ring.at[slot, wg][...].astype(jnp.float32)
+    needed = plgpu.layout_cast(lax.broadcast(bias_s.needed(step), bias_t.shape),
+                               plgpu.Layout.WGMMA)
+    bias_t = jnp.where(needed, bias_t, 0.0)  # Else the slot holds an old tile.
     plgpu.barrier_arrive(bias_s.consumed.at[slot])
   st, cap_grad = opts.logits.transform(
       common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q)), bias_t)
@@ -193,12 +219,14 @@ def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
   if opts.segments:
     srcs.append(lambda step: refs.masks.q_ids.at[tile.batch, rows(step)[1]])
     rings.append(refs.q_ids_ring)
+  needed = [None] * len(srcs)
   if opts.bias:  # Bᵀ: this CTA's keys (a block per compute warpgroup) × the step's queries.
     srcs.append(lambda step: common.bias_block(refs.masks, opts, tile.batch, rows(step)[0],
                                                tile.key0, rows(step)[1]))
     rings.append(refs.bias_ring)
-  return tuple(pipeline.Stream(src, ring, ready, consumed)
-               for src, ring, (ready, consumed) in zip(srcs, rings, barriers))
+    needed.append(lambda step: _bias_needed(step, tile, refs.masks, dims, opts))
+  return tuple(pipeline.Stream(src, ring, ready, consumed, need) for src, ring,
+               (ready, consumed), need in zip(srcs, rings, barriers, needed))
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):

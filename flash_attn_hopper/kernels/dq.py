@@ -67,13 +67,14 @@ def _key_ids(ids_s, slot, load: bool):
   return ids
 
 
-def _bias_tile(bias_s, slot, wg):
-  """With a bias (`bias_s` is its stream), this warpgroup's rows of the slot's tile, float32
-  in the logits' layout; else None."""
+def _bias_tile(bias_s, slot, wg, load: bool):
+  """With a bias (`bias_s` is its stream), observes the slot and, when `load` (a masked
+  block: only those get a tile, see `_compute_warpgroup`), returns this warpgroup's rows of
+  its tile, float32 in the logits' layout; else None."""
   if bias_s is None:
     return None
   plgpu.barrier_wait(bias_s.ready.at[slot])
-  tile = bias_s.smem.at[slot, wg][...].astype(jnp.float32)
+  tile = bias_s.smem.at[slot, wg][...].astype(jnp.float32) if load else None
   plgpu.barrier_arrive(bias_s.consumed.at[slot])
   return tile
 
@@ -86,7 +87,7 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
   plgpu.barrier_wait(k_s.ready.at[slot])
   s, cap_grad = opts.logits.transform(
       common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv)),
-      _bias_tile(bias_s, slot, wg))
+      _bias_tile(bias_s, slot, wg, load=masked))
   k_ids = _key_ids(ids_s, slot, load=masked)
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
@@ -154,6 +155,8 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
   own = _kv_blocks(tile, q0, cfg.block_q, seq_kv, refs, opts).within(cta)
+  if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
+    own = own.full_within(cta)
   release = functools.partial(_release_step, ring0=ring0, streams=streams,
                               num_stages=cfg.num_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
@@ -218,8 +221,11 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
     if opts.segments:
       srcs.insert(1, lambda step: masks.kv_ids.at[tile.batch, rows(step)])
       rings.insert(1, ids_ring)
-    streams = tuple(pipeline.Stream(src, ring, ready, consumed) for src, ring, ready, consumed
-                    in zip(srcs, rings, ring_barriers[::2], ring_barriers[1::2]))
+    needed = [None] * len(srcs)
+    if opts.bias:  # No tile where the bias is zero for every row of the CTA.
+      needed[-2] = lambda step: ~cta.is_full(cta.first + step)
+    streams = tuple(pipeline.Stream(*stream) for stream in zip(
+        srcs, rings, ring_barriers[::2], ring_barriers[1::2], needed))
     common.specialize(
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, seq_kv, dims,
                                       opts),

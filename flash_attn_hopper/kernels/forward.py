@@ -109,7 +109,8 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   k_ids = _key_ids(bars, refs, slot, load=masked)
-  s, _ = opts.logits.transform(s, _bias_tile(bars, refs, slot, wg, load=True))
+  # A bias tile comes with the masked (edge) blocks only; see `_attend`.
+  s, _ = opts.logits.transform(s, _bias_tile(bars, refs, slot, wg, load=masked))
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
                                    segments=None if k_ids is None else (q_ids, k_ids))
@@ -184,6 +185,8 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
   seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
   cta = _cta_kv_blocks(tile, refs, dims, opts)
   own = _kv_blocks(tile, q0, cfg.block_q, refs, dims, opts).within(cta)
+  if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
+    own = own.full_within(cta)
   ring0 = ring0 - cta.first  # Ring position of block 0.
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, wg=wg, q0=q0,
                            q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
@@ -280,7 +283,9 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                               refs.ids_ring,
                               lambda step: common.bias_block(refs.masks, opts, tile.batch,
                                                              tile.head, tile.row0, rows(step)),
-                              refs.bias_ring)
+                              refs.bias_ring,
+                              # No tile where the bias is zero for every row of the CTA.
+                              lambda step: ~blocks.is_full(blocks.first + step))
     num_steps = blocks.end - blocks.first
     pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
     return ring0 + num_steps
