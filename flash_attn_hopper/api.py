@@ -127,8 +127,10 @@ def mask_spec(t: int, s: int, *, is_causal, local_window_size,
 
 
 def _as_bias(bias, mask, shape, dtype):
-  """`bias` and `mask` as one additive bias of the scaled logits, (B|1, N|1, T, S) in the
-  kernel's dtype (−inf where the mask is False), or None. `shape` is (B, N, T, S)."""
+  """`bias` and `mask` as one (B|1, N|1, T, S) input of the kernels, or None: an additive
+  bias of the scaled logits in the kernel's dtype (−inf where the mask is False), or a
+  `mask` alone as uint8 (1: visible), whose tiles are half the size. `shape` is
+  (B, N, T, S)."""
   def four(name, x):
     x = jnp.asarray(x)
     if x.ndim > 4:
@@ -139,6 +141,9 @@ def _as_bias(bias, mask, shape, dtype):
       raise ValueError(f"{name} must be broadcastable to (B, N, T, S) = {shape}; got shape "
                        f"{x.shape}")
     return x
+  if bias is None and mask is not None:
+    mask = four("mask", mask).astype(bool).astype(jnp.uint8)
+    return jnp.broadcast_to(mask, mask.shape[:2] + shape[2:])
   parts = []
   if bias is not None:
     parts.append(four("bias", bias).astype(dtype))
@@ -159,8 +164,10 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
   gives them jax.nn's answer)."""
   t, s = q.shape[1], k.shape[1]
   segments = segment_ids is not None
+  is_mask = bias is not None and bias.dtype == jnp.uint8  # A mask alone (`_as_bias`).
+  bias_bytes = 0 if bias is None else bias.dtype.itemsize
   cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config,
-                                          segments=segments, bias=bias is not None)
+                                          segments=segments, bias_bytes=bias_bytes)
   opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
                                        interpret=bool(interpret), seq_kv=s,
                                        max_ctas=INTERPRET_CTAS if interpret else None,
@@ -168,16 +175,16 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
                                        soft_cap=soft_cap,
                                        bias=None if bias is None else (bias.shape[0] > 1,
                                                                        bias.shape[1] > 1),
-                                       bias_grad=bias_grad)
+                                       bias_grad=bias_grad, bias_is_mask=is_mask)
   if backward_config is not None:  # Checked now, not when a gradient is first taken.
     config_lib.resolve_backward_config(q.shape[-1], q.dtype, spec.is_causal, backward_config,
-                                       segments, bias is not None)
+                                       segments, bias_bytes)
   q, k, v = _pad_seq(q, cfg.rows_per_cta), _pad_seq(k, cfg.block_kv), _pad_seq(v, cfg.block_kv)
   if segments:
     segment_ids = masking.pad_segment_ids(segment_ids, q.shape[1], k.shape[1])
   if bias is not None:  # Padded keys and rows are masked (and then dropped).
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q.shape[1] - t), (0, k.shape[1] - s)),
-                   constant_values=-jnp.inf)
+                   constant_values=0 if is_mask else -jnp.inf)
   out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, bias, opts, backward_config)
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 

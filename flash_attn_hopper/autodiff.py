@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from flash_attn_hopper import blockwise
 from flash_attn_hopper import config as config_lib
@@ -53,14 +54,15 @@ def _attention_bwd(opts, bwd_config, residuals, cotangents):
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
   if q.shape[-1] not in KERNEL_BACKWARD_HEAD_DIMS or opts.bias_grad:
     dq, dk, dv, *dbias = _blockwise_backward(q, k, v, out, lse, dout, masks, opts)
-    return dq, dk, dv, None, None, (dbias[0] if dbias else None)
+    return dq, dk, dv, None, None, (dbias[0] if dbias and opts.bias_grad else None)
   bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
                                     config=config_lib.resolve_backward_config(
                                         q.shape[-1], q.dtype, opts.is_causal, bwd_config,
-                                        opts.segments, bool(opts.bias)),
+                                        opts.segments, opts.bias_bytes(q.dtype)),
                                     interpret=opts.interpret, seq_kv=opts.seq_kv,
                                     kv_lens=opts.kv_lens, segments=opts.segments,
-                                    soft_cap=opts.soft_cap, bias=opts.bias)
+                                    soft_cap=opts.soft_cap, bias=opts.bias,
+                                    bias_is_mask=opts.bias_is_mask)
   return (*_backward(q, k, v, out, lse, dout, masks, bwd_opts), None, None, None)
 
 
@@ -69,6 +71,8 @@ def _blockwise_backward(q, k, v, out, lse, dout, masks, opts):
   """`blockwise.attention_backward` (dq, dk, dv and dbias, None without a bias), also
   refusing to be differentiated again. `masks` is (kv_lens, segment_ids, bias)."""
   kv_lens, segment_ids, bias = masks
+  if opts.bias_is_mask:  # blockwise adds a bias: the mask's 0/1 bytes as 0 / −inf.
+    bias = jnp.where(bias != 0, 0.0, -jnp.inf).astype(q.dtype)
   return blockwise.attention_backward(q, k, v, out, lse, dout, scale=opts.scale,
                                       mask=opts.mask, seq_kv=opts.seq_kv, kv_lens=kv_lens,
                                       segment_ids=segment_ids, soft_cap=opts.soft_cap,

@@ -59,28 +59,29 @@ class ForwardConfig:
     return pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q
 
   def smem_bytes(self, head_dim: int, itemsize: int, separate_o: bool = False,
-                 segments: bool = False, bias: bool = False) -> int:
+                 segments: bool = False, bias_bytes: int = 0) -> int:
     """Shared memory the kernel allocates: Q tiles (and O tiles when `separate_o`), the K/V
     ring and the LSE tiles (and with `segments`, the int32 ids of the Q tiles and a ring of
-    the keys' ids; with `bias`, a ring of (CTA rows × block_kv) bias tiles)."""
+    the keys' ids; with a bias of `bias_bytes` per element (1 for a mask), a ring of
+    (CTA rows × block_kv) bias tiles)."""
     q_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * head_dim * itemsize
     kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     lse_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * 4
     ids = (pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q + self.num_stages * self.block_kv) * 4
-    bias_ring = self.num_stages * self.rows_per_cta * self.block_kv * itemsize
-    return (q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles +
-            (ids if segments else 0) + (bias_ring if bias else 0))
+    bias_ring = self.num_stages * self.rows_per_cta * self.block_kv * bias_bytes
+    return q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles + \
+        (ids if segments else 0) + bias_ring
 
   def fits(self, head_dim: int, itemsize: int, separate_o: bool = False,
-           segments: bool = False, bias: bool = False) -> bool:
+           segments: bool = False, bias_bytes: int = 0) -> bool:
     """Whether the tiles fit the shared-memory budget. The kernel gives O its own tiles
     (so the next Q loads under the epilogue) only when they fit too."""
-    return self.smem_bytes(head_dim, itemsize, separate_o, segments, bias) <= SMEM_BUDGET
+    return self.smem_bytes(head_dim, itemsize, separate_o, segments, bias_bytes) <= SMEM_BUDGET
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
-                 bias: bool = False) -> None:
+                 bias_bytes: int = 0) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
-    need = self.smem_bytes(head_dim, itemsize, segments=segments, bias=bias)
+    need = self.smem_bytes(head_dim, itemsize, segments=segments, bias_bytes=bias_bytes)
     budget = SMEM_BUDGET
     if need > budget:
       raise ValueError(
@@ -106,13 +107,13 @@ class BackwardConfig:
     _validate_tiles(self)
 
   def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False,
-                 bias: bool = False) -> int:
+                 bias_bytes: int = 0) -> int:
     """Shared memory of the larger of the two kernels.
 
     dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring.
     dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
-    (With `segments`, each adds its int32 ids: one tile's and a ring's; with `bias`, a ring
-    of (2·block × block) bias tiles.)"""
+    (With `segments`, each adds its int32 ids: one tile's and a ring's; with a bias, a ring
+    of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)"""
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
     q_rows, kv_rows = wgs * self.block_q, wgs * self.block_kv
     ids = lambda tile_rows, ring_rows: (tile_rows + self.num_stages * ring_rows) * 4
@@ -123,15 +124,14 @@ class BackwardConfig:
     if segments:
       dq += ids(q_rows, self.block_kv)
       dkv += ids(kv_rows, self.block_q)
-    if bias:
-      dq += self.num_stages * q_rows * self.block_kv * itemsize
-      dkv += self.num_stages * kv_rows * self.block_q * itemsize
+    dq += self.num_stages * q_rows * self.block_kv * bias_bytes
+    dkv += self.num_stages * kv_rows * self.block_q * bias_bytes
     return max(dq, dkv)
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
-                 bias: bool = False) -> None:
+                 bias_bytes: int = 0) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
-    need = self.smem_bytes(head_dim, itemsize, segments, bias)
+    need = self.smem_bytes(head_dim, itemsize, segments, bias_bytes)
     if need > SMEM_BUDGET:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
@@ -164,43 +164,46 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 
 def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
                             config: BackwardConfig | None = None,
-                            segments: bool = False, bias: bool = False) -> BackwardConfig:
-  """Picks the backward config: explicit, else tuned, else the default; checked to fit."""
+                            segments: bool = False, bias_bytes: int = 0) -> BackwardConfig:
+  """Picks the backward config: explicit, else tuned, else the default; checked to fit
+  (`bias_bytes` per element of a bias ring: 0 none, 1 a mask)."""
   if config is None:
     config = TUNED_BACKWARD.get((head_dim, bool(is_causal)), BackwardConfig())
   elif not isinstance(config, BackwardConfig):
     raise TypeError(f"backward_config must be a BackwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, np.dtype(dtype).itemsize, segments, bias)
+  config.check_fits(head_dim, np.dtype(dtype).itemsize, segments, bias_bytes)
   return config
 
 
 def _heuristic(head_dim: int, itemsize: int, segments: bool = False,
-               bias: bool = False) -> ForwardConfig:
+               bias_bytes: int = 0) -> ForwardConfig:
   """The deepest ring of the widest KV block that fits."""
   for block_kv in (128, 64):
     for num_stages in (3, 2):
       cfg = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=num_stages)
-      if cfg.fits(head_dim, itemsize, segments=segments, bias=bias):
+      if cfg.fits(head_dim, itemsize, segments=segments, bias_bytes=bias_bytes):
         return cfg
-  if bias:
+  if bias_bytes:
     raise NotImplementedError(
-        f"flash_attn_hopper's kernel cannot take `bias` or `mask` at head_dim={head_dim}: "
-        "their tiles do not fit shared memory beside K and V; pass implementation='xla'")
+        f"flash_attn_hopper's kernel cannot take a `bias` at head_dim={head_dim}: its tiles "
+        "do not fit shared memory beside K and V (a `mask` alone does); pass "
+        "implementation='xla'")
   raise ValueError(f"no forward config fits shared memory at head_dim={head_dim}")
 
 
 def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
                            config: ForwardConfig | None = None,
-                           segments: bool = False, bias: bool = False) -> ForwardConfig:
+                           segments: bool = False, bias_bytes: int = 0) -> ForwardConfig:
   """Picks the forward config: explicit, else tuned, else heuristic; checked to fit (with
-  the segment ids' buffers when `segments`, the bias ring when `bias`). A tuned config that
+  the segment ids' buffers when `segments`, the bias ring when `bias_bytes`). A tuned config that
   does not fit beside a bias gives way to the heuristic."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
     config = TUNED_FORWARD.get((head_dim, bool(is_causal)))
-    if config is None or not config.fits(head_dim, itemsize, segments=segments, bias=bias):
-      config = _heuristic(head_dim, itemsize, segments, bias)
+    if config is None or not config.fits(head_dim, itemsize, segments=segments,
+                                         bias_bytes=bias_bytes):
+      config = _heuristic(head_dim, itemsize, segments, bias_bytes)
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, itemsize, segments, bias)
+  config.check_fits(head_dim, itemsize, segments, bias_bytes)
   return config

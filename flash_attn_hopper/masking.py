@@ -229,21 +229,19 @@ def segment_spans(row_ids, col_ids, row_block: int, col_block: int):
   return _spans(may, full)
 
 
-def mask_spans(bias, row_block: int, col_block: int):
-  """For each block of rows of a (..., rows, cols) additive bias (−inf: masked), the blocks
-  of columns that hold any visible entry, and the first run of blocks whose bias is zero
-  throughout: (..., row blocks, 4) int32 as `segment_spans` gives. A mask's fully visible
-  blocks are such a run; the kernels stream no bias tile for them."""
-  *lead, rows, cols = bias.shape
+def mask_spans(visible, free, row_block: int, col_block: int):
+  """For each block of rows of (..., rows, cols) booleans, `visible` (the entries a bias or
+  mask leaves visible) and `free` (those where it changes nothing: a zero bias, a True
+  mask), the blocks of columns that hold any visible entry and the first run of blocks free
+  throughout: (..., row blocks, 4) int32 as `segment_spans` gives. The kernels stream no
+  bias tile for that run."""
+  *lead, rows, cols = visible.shape
   nr, nc = _cdiv(rows, row_block), _cdiv(cols, col_block)
-  padded = jnp.pad(bias, [(0, 0)] * len(lead) + [(0, nr * row_block - rows),
-                                                 (0, nc * col_block - cols)],
-                   constant_values=-jnp.inf)
-  tiles = padded.reshape(*lead, nr, row_block, nc, col_block)
-  may = (tiles > -jnp.inf).any(axis=(-3, -1))
-  # Padding is −inf, so an edge block is never "zero throughout": it keeps its tile.
-  full = (tiles == 0).all(axis=(-3, -1))
-  return _spans(may, full)
+  # Padding is neither: an edge block is never free, so it keeps its tile.
+  tiles = lambda x: jnp.pad(x, [(0, 0)] * len(lead) + [(0, nr * row_block - rows),
+                                                       (0, nc * col_block - cols)]
+                            ).reshape(*lead, nr, row_block, nc, col_block)
+  return _spans(tiles(visible).any(axis=(-3, -1)), tiles(free).all(axis=(-3, -1)))
 
 
 def _spans(may, full):

@@ -177,6 +177,7 @@ BIAS_CASES = [
     (150, 150, 128, False, "both"),
     (130, 200, 64, False, "key padding"),  # (B, 1, 1, S): broadcast over heads and queries
     (300, 320, 64, False, "visible blocks"),
+    (130, 150, 256, True, "mask"),  # D 256: one-byte mask tiles fit; blockwise gradients
 ]
 
 

@@ -68,6 +68,19 @@ class AttentionOptions:
   #: Whether the bias's gradient is wanted (a user's `bias`, not only a `mask`): the
   #: backward kernels do not produce it, so `autodiff` then runs `blockwise`.
   bias_grad: bool = False
+  #: Whether the bias input is a `mask` alone, as uint8 (1: visible): its tiles take one byte
+  #: per entry instead of two, and the kernels turn them into 0 / −inf (`bias_values`).
+  bias_is_mask: bool = False
+
+  def bias_dtype(self, dtype):
+    """The dtype of the bias tiles for inputs of `dtype` (None without a bias)."""
+    if not self.bias:
+      return None
+    return jnp.dtype(jnp.uint8) if self.bias_is_mask else jnp.dtype(dtype)
+
+  def bias_bytes(self, dtype) -> int:
+    """Bytes per bias entry in shared memory (0 without a bias), for the configs' budgets."""
+    return 0 if not self.bias else self.bias_dtype(dtype).itemsize
 
   @property
   def is_causal(self) -> bool:
@@ -154,14 +167,26 @@ class MaskInputs(NamedTuple):
     if tiles_are_keys:
       bias = jnp.swapaxes(bias, 2, 3)
     bb, nb, r, c = bias.shape
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)), constant_values=-jnp.inf)
-    spans = masking.mask_spans(bias, row_block, col_block)
+    is_mask = bias.dtype == jnp.uint8  # A mask alone (see `AttentionOptions.bias_is_mask`).
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)),
+                   constant_values=0 if is_mask else -jnp.inf)
+    visible = bias != 0 if is_mask else bias > -jnp.inf
+    spans = masking.mask_spans(visible, visible if is_mask else bias == 0, row_block,
+                               col_block)
     return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, c),
                          bias_spans=spans)
 
   def arrays(self) -> tuple:
     """The inputs that are present, in the order `split` expects."""
     return tuple(x for x in self if x is not None)
+
+
+def bias_values(tile, opts: AttentionOptions):
+  """A loaded bias tile as the float32 additive bias of the scaled logits: a mask's 0/1
+  bytes become −inf / 0."""
+  if opts.bias_is_mask:
+    return jnp.where(tile != 0, 0.0, -jnp.inf)
+  return tile.astype(jnp.float32)
 
 
 def bias_index(batch, head, opts: AttentionOptions):
@@ -198,10 +223,12 @@ def narrow_kv_blocks(band: masking.BlockRange, masks: MaskInputs, opts: Attentio
 
 
 def smem_tile(shape, dtype):
-  """A shared-memory tile in the 128-byte swizzle that TMA writes and wgmma reads."""
+  """A shared-memory tile in the swizzle that TMA writes and wgmma reads: 128 bytes, or the
+  row's width when a row is narrower (a mask's 64 one-byte entries)."""
   itemsize = jnp.dtype(dtype).itemsize
-  transforms = (plgpu.TilingTransform((8, hardware.SWIZZLE_BYTES // itemsize)),
-                plgpu.SwizzleTransform(hardware.SWIZZLE_BYTES))
+  swizzle = min(hardware.SWIZZLE_BYTES, shape[-1] * itemsize)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
+                plgpu.SwizzleTransform(swizzle))
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 

@@ -131,7 +131,7 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
 
   bias_t = None
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
-    bias_t = refs.bias_ring.at[slot, wg][...].astype(jnp.float32)
+    bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
     needed = plgpu.layout_cast(lax.broadcast(bias_s.needed(step), bias_t.shape),
                                plgpu.Layout.WGMMA)
     bias_t = jnp.where(needed, bias_t, 0.0)  # Else the slot holds an old tile.
@@ -243,7 +243,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       plgpu.SMEM((stages, cfg.block_q), jnp.float32),
       plgpu.SMEM((wgs, cfg.block_kv), jnp.int32) if opts.segments else None,
       plgpu.SMEM((stages, cfg.block_q), jnp.int32) if opts.segments else None,
-      common.smem_tile((stages, wgs, cfg.block_kv, cfg.block_q), dims.dtype)
+      common.smem_tile((stages, wgs, cfg.block_kv, cfg.block_q), opts.bias_dtype(dims.dtype))
       if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,

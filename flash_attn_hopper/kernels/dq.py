@@ -67,14 +67,14 @@ def _key_ids(ids_s, slot, load: bool):
   return ids
 
 
-def _bias_tile(bias_s, slot, wg, load: bool):
+def _bias_tile(bias_s, slot, wg, load: bool, opts=None):
   """With a bias (`bias_s` is its stream), observes the slot and, when `load` (a masked
   block: only those get a tile, see `_compute_warpgroup`), returns this warpgroup's rows of
   its tile, float32 in the logits' layout; else None."""
   if bias_s is None:
     return None
   plgpu.barrier_wait(bias_s.ready.at[slot])
-  tile = bias_s.smem.at[slot, wg][...].astype(jnp.float32) if load else None
+  tile = common.bias_values(bias_s.smem.at[slot, wg][...], opts) if load else None
   plgpu.barrier_arrive(bias_s.consumed.at[slot])
   return tile
 
@@ -87,7 +87,7 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
   plgpu.barrier_wait(k_s.ready.at[slot])
   s, cap_grad = opts.logits.transform(
       common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv)),
-      _bias_tile(bias_s, slot, wg, load=masked))
+      _bias_tile(bias_s, slot, wg, load=masked, opts=opts))
   k_ids = _key_ids(ids_s, slot, load=masked)
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
@@ -191,7 +191,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
       plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
       plgpu.SMEM((stages, cfg.block_kv), jnp.int32) if opts.segments else None,
-      common.smem_tile((stages, wgs, cfg.block_q, cfg.block_kv), dims.dtype)
+      common.smem_tile((stages, wgs, cfg.block_q, cfg.block_kv), opts.bias_dtype(dims.dtype))
       if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,

@@ -80,13 +80,13 @@ def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
   return ids
 
 
-def _bias_tile(bars: pipeline.Barriers, refs: _Refs, slot, wg, load: bool):
+def _bias_tile(bars: pipeline.Barriers, refs: _Refs, slot, wg, load: bool, opts=None):
   """With a bias, observes the slot's tile (and loads warpgroup `wg`'s rows of it, float32,
   in the logits' layout, when `load`); else None."""
   if refs.bias_ring is None:
     return None
   plgpu.barrier_wait(bars.bias_ready.at[slot])
-  tile = refs.bias_ring.at[slot, wg][...].astype(jnp.float32) if load else None
+  tile = common.bias_values(refs.bias_ring.at[slot, wg][...], opts) if load else None
   plgpu.barrier_arrive(bars.bias_consumed.at[slot])
   return tile
 
@@ -110,7 +110,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   k_ids = _key_ids(bars, refs, slot, load=masked)
   # A bias tile comes with the masked (edge) blocks only; see `_attend`.
-  s, _ = opts.logits.transform(s, _bias_tile(bars, refs, slot, wg, load=masked))
+  s, _ = opts.logits.transform(s, _bias_tile(bars, refs, slot, wg, load=masked, opts=opts))
   if masked:
     s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
                                    segments=None if k_ids is None else (q_ids, k_ids))
@@ -306,7 +306,7 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
   separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True, segments=opts.segments,
-                        bias=bool(opts.bias))
+                        bias_bytes=opts.bias_bytes(dims.dtype))
   scratch = (
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
@@ -315,8 +315,8 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
       plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
       plgpu.SMEM((cfg.num_stages, cfg.block_kv), jnp.int32) if opts.segments else None,
-      common.smem_tile((cfg.num_stages, wgs, cfg.block_q, cfg.block_kv), dims.dtype)
-      if opts.bias else None,
+      common.smem_tile((cfg.num_stages, wgs, cfg.block_q, cfg.block_kv),
+                       opts.bias_dtype(dims.dtype)) if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
