@@ -145,6 +145,22 @@ ax.set_xticks(range(len(fp16)), [n.replace("h2048_", "").replace("_float16", "")
 ax.set_ylabel("ours / cuDNN (forward, fp16)"); ax.set_title("H200, B·T = 16k, hidden 2048")
 plt.tight_layout(); plt.show()
 print("geomean ours/cuDNN fp16:", float(np.exp(np.mean(np.log(ratios)))))"""),
+        ("md", "Forward + backward, bf16 (`h200_backward.json`): D 64 and 128 run our backward "
+               "kernels; D 256 still runs the XLA `blockwise` backward."),
+        ("code", """\
+fb = collections.defaultdict(dict)
+for c in json.load(open(os.path.join("..", "bench", "results", "h200_backward.json")))["cells"]:
+    if c["status"] == "ok" and c["pass_name"] == "fwdbwd" and c["workload"]["name"].endswith("_bfloat16"):
+        fb[c["workload"]["name"]][c["peer"]] = c["tflops"]
+bf16 = sorted((n for n in fb if "cudnn" in fb[n]), key=lambda n: (("causal" in n), int(n.split("_d")[1].split("_")[0]), int(n.split("_t")[1].split("_")[0])))
+ratios = [fb[n]["ours"] / fb[n]["cudnn"] for n in bf16]
+fig, ax = plt.subplots(figsize=(12, 4))
+ax.bar(range(len(bf16)), ratios, color=["tab:orange" if "causal" in n else "tab:blue" for n in bf16])
+ax.axhline(1.0, color="k", lw=0.8)
+ax.set_xticks(range(len(bf16)), [n.replace("h2048_", "").replace("_bfloat16", "") for n in bf16], rotation=60, ha="right")
+ax.set_ylabel("ours / cuDNN (fwd+bwd, bf16)"); ax.set_title("H200, B·T = 16k, hidden 2048")
+plt.tight_layout(); plt.show()
+print("geomean ours/cuDNN fwd+bwd bf16:", float(np.exp(np.mean(np.log(ratios)))))"""),
     ],
     "flax": [
         ("md", "# In a flax model\n\n`fah.flax_attention_fn()` is an `attention_fn` for "
