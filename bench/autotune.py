@@ -41,20 +41,22 @@ CHECK_ATOL = 2e-2
 
 def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False) -> list:
   itemsize = np.dtype(dtype).itemsize
-  if backward:
-    shapes = [(bq, bkv, n) for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2)
-              for n in NUM_STAGES]
+  if backward:  # dQ's ring one stage deep only where the shared one does not fit (D 256).
+    configs = [[fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=n, dq_num_stages=dq)
+                for dq in (None, 1)]
+               for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2) for n in NUM_STAGES]
   else:
-    shapes = [(64, bkv, n) for bkv, n in itertools.product(block_kvs, NUM_STAGES)]
+    configs = [[fah.ForwardConfig(block_q=64, block_kv=bkv, num_stages=n)]
+               for bkv, n in itertools.product(block_kvs, NUM_STAGES)]
   out = []
-  for block_q, block_kv, stages in shapes:
-    cls = fah.BackwardConfig if backward else fah.ForwardConfig
-    cfg = cls(block_q=block_q, block_kv=block_kv, num_stages=stages)
-    try:
-      cfg.check_fits(head_dim, itemsize)
-    except ValueError:
-      continue
-    out.append(cfg)
+  for choices in configs:
+    for cfg in choices:
+      try:
+        cfg.check_fits(head_dim, itemsize)
+      except ValueError:
+        continue
+      out.append(cfg)
+      break
   return out
 
 

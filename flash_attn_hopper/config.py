@@ -19,6 +19,14 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 SMEM_BUDGET = hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES
 
+#: From this head dim on, dK/dV runs `kernels/dkv_split.py`: one block of keys per CTA, one
+#: compute warpgroup accumulating dV and the other dK (two (block_kv, D) float32 accumulators
+#: a warpgroup would need 256 registers a thread at D 256, over the 232 it has).
+SPLIT_DKV_HEAD_DIM = 256
+#: Bytes of the two float16 Pᵀ slots that kernel hands between its warpgroups, per entry of
+#: a (block_kv, block_q) block.
+SPLIT_DKV_P_SLOT_BYTES = 2 * 2
+
 
 def _validate_tiles(cfg) -> None:
   """Checks block_q, block_kv and num_stages of a config; errors name the field."""
@@ -102,9 +110,22 @@ class BackwardConfig:
   block_q: int = 64
   block_kv: int = 64
   num_stages: int = 2
+  #: Stages of the dQ kernel's K/V ring when it must differ from `num_stages` (None: the
+  #: same). At D 256 one stage is all that fits beside two warpgroups' Q and dO tiles.
+  dq_num_stages: int | None = None
 
   def __post_init__(self):
     _validate_tiles(self)
+    stages = self.dq_num_stages
+    if stages is not None and (not isinstance(stages, (int, np.integer))
+                               or isinstance(stages, bool) or stages < 1):
+      raise ValueError(f"BackwardConfig.dq_num_stages must be None or an int >= 1, got "
+                       f"{stages!r}")
+
+  @property
+  def dq_stages(self) -> int:
+    """Slots of the dQ kernel's K/V ring."""
+    return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
 
   def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0) -> int:
@@ -115,27 +136,41 @@ class BackwardConfig:
     (With `segments`, each adds its int32 ids: one tile's and a ring's; with a bias, a ring
     of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)"""
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-    q_rows, kv_rows = wgs * self.block_q, wgs * self.block_kv
-    ids = lambda tile_rows, ring_rows: (tile_rows + self.num_stages * ring_rows) * 4
+    q_rows = wgs * self.block_q
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
-          + 2 * self.num_stages * self.block_kv * head_dim * itemsize)
-    dkv = (2 * kv_rows * head_dim * itemsize
-           + 2 * self.num_stages * self.block_q * (head_dim * itemsize + 4))
+          + 2 * self.dq_stages * self.block_kv * head_dim * itemsize
+          + self.dq_stages * q_rows * self.block_kv * bias_bytes)
     if segments:
-      dq += ids(q_rows, self.block_kv)
-      dkv += ids(kv_rows, self.block_q)
-    dq += self.num_stages * q_rows * self.block_kv * bias_bytes
-    dkv += self.num_stages * kv_rows * self.block_q * bias_bytes
-    return max(dq, dkv)
+      dq += (q_rows + self.dq_stages * self.block_kv) * 4
+    return max(dq, self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes))
+
+  def _dkv_smem_bytes(self, head_dim: int, itemsize: int, segments: bool,
+                      bias_bytes: int) -> int:
+    """The dK/dV kernel's: K and V tiles, the ring of Q, dO, the LSE and δ, and from
+    SPLIT_DKV_HEAD_DIM on (`kernels/dkv_split.py`, whose `smem_bytes` this mirrors; a test
+    checks that they agree) one key block per CTA and the two Pᵀ slots between its
+    warpgroups, else a key block per compute warpgroup."""
+    split = head_dim >= SPLIT_DKV_HEAD_DIM
+    kv_rows = self.block_kv * (1 if split else pipeline.NUM_COMPUTE_WARPGROUPS)
+    ring = self.num_stages * self.block_q * (2 * head_dim * itemsize + 2 * 4)
+    p_slots = SPLIT_DKV_P_SLOT_BYTES * kv_rows * self.block_q if split else 0
+    ids = (kv_rows + self.num_stages * self.block_q) * 4 if segments else 0
+    bias_ring = self.num_stages * kv_rows * self.block_q * bias_bytes
+    return 2 * kv_rows * head_dim * itemsize + ring + p_slots + ids + bias_ring
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
+    if head_dim >= SPLIT_DKV_HEAD_DIM and self.block_kv != hardware.WGMMA_ROWS:
+      raise ValueError(
+          f"BackwardConfig.block_kv must be {hardware.WGMMA_ROWS} at head_dim={head_dim} (the "
+          f"split dK/dV kernel's one wgmma M of keys per CTA); got {self.block_kv}")
     need = self.smem_bytes(head_dim, itemsize, segments, bias_bytes)
     if need > SMEM_BUDGET:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
-          f"{SMEM_BUDGET}-byte budget; lower BackwardConfig.block_q, block_kv or num_stages")
+          f"{SMEM_BUDGET}-byte budget; lower BackwardConfig.block_q, block_kv or num_stages, "
+          f"or set dq_num_stages=1 (dQ's ring)")
 
 
 # Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by
@@ -156,9 +191,12 @@ TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
 # The backward kernels' blocks, keys (head_dim, is_causal). Not tuned yet: (64, 64, 2) is what
 # passed the GPU tests on an H200 (jax 0.11.2, 2026-11-29) at D 64 and 128.
 # `python -m bench.autotune --backward` times the candidates that fit and prints entries.
+# D 256: the only shape that fits both kernels (dQ's ring one stage deep; the split dK/dV
+# kernel takes block_kv 64), not yet run on a GPU.
 TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
     (64, False): BackwardConfig(), (64, True): BackwardConfig(),
     (128, False): BackwardConfig(), (128, True): BackwardConfig(),
+    (256, False): BackwardConfig(dq_num_stages=1), (256, True): BackwardConfig(dq_num_stages=1),
 }
 
 

@@ -1,6 +1,8 @@
 """Gradients on an H200, against the float32 reference's gradients for random cotangents.
 
-D 64 and 128 run the backward kernels; D 256 runs `blockwise` (see `autodiff`).
+D 64 and 128 run the backward kernels; D 256 runs `blockwise` (see `autodiff`), and its
+kernels (the split dK/dV kernel) when asked for with a backward_config, as
+`test_head_dim_256_kernels` does until they join the default.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ SEQ_PAIRS = ((128, 128), (1023, 1023), (1024, 4096), (4096, 1024), (113, 203))
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 
 
-def _check(rng, t, s, heads, d, dtype, is_causal):
+def _check(rng, t, s, heads, d, dtype, is_causal, **kw):
   n, kv = HEADS[heads]
   w = workloads.Workload("bwd", batch=1, seq_q=t, seq_kv=s, num_q_heads=n, num_kv_heads=kv,
                          head_dim=d, is_causal=is_causal, dtype=dtype)
   q, k, v = testing.random_qkv(rng, w)
   dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
   f = lambda q, k, v: fah.dot_product_attention(q, k, v, is_causal=is_causal,
-                                                implementation="flash_attn_hopper")
+                                                implementation="flash_attn_hopper", **kw)
   grads = jax.jit(lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout))(q, k, v, dout)
   testing.check_gradients(grads, q, k, v, dout, is_causal=is_causal)
 
@@ -69,3 +71,11 @@ def test_backward_is_deterministic(rng, d):
   first, second = grads(q, k, v, dout), grads(q, k, v, dout)
   for a, b in zip(first, second):
     assert bool(jnp.all(a == b))
+
+
+@pytest.mark.parametrize("t, s, dtype, is_causal", [
+    (1024, 1024, "bfloat16", True), (1023, 4096, "float16", False), (113, 203, "bfloat16", False)])
+def test_head_dim_256_kernels(rng, t, s, dtype, is_causal):
+  """D 256 through dQ (one-stage ring) and the split dK/dV kernel, asked for explicitly."""
+  _check(rng, t, s, "gqa", 256, dtype, is_causal,
+         backward_config=fah.BackwardConfig(dq_num_stages=1))

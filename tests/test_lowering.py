@@ -70,3 +70,15 @@ def test_kernels_lower_for_hopper(feature, d, grad):
     kernels |= {"dq", "dkv"}  # else the gradient is `blockwise`'s, in XLA
   for name in kernels:
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("feature", [f for f in FEATURES if f != "bias"])
+def test_head_dim_256_backward_kernels_lower_when_asked_for(feature):
+  """D 256's backward kernels (dQ with a one-stage ring, the split dK/dV kernel) run only
+  with an explicit `backward_config` until they have passed on a GPU."""
+  kw = dict(FEATURES[feature])
+  text = _lower(256, True, backward_config=fah.BackwardConfig(dq_num_stages=1), **kw)
+  for name in ("fwd", "dq", "dkv_split"):
+    assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+  assert "flash_attn_hopper_dq_mosaic_gpu" not in _lower(256, True, **kw)  # blockwise

@@ -5,9 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 from flash_attn_hopper.kernels import dkv as dkv_kernel
+from flash_attn_hopper.kernels import dkv_split
 from flash_attn_hopper.kernels import dq as dq_kernel
 
 
@@ -38,5 +40,7 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,
   # and the CPU interpreter deadlocks when XLA runs two interpreted kernels at once.
   q, dq = lax.optimization_barrier((q, dq))
-  dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
+  # Wide heads: one key block per CTA, the warpgroups split by role (dV, dK).
+  dkv = dkv_split.dkv if q.shape[-1] >= config_lib.SPLIT_DKV_HEAD_DIM else dkv_kernel.dkv
+  dk, dv = dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
   return dq, dk, dv

@@ -42,12 +42,12 @@ class _Refs(NamedTuple):
   do_smem: object
   lse_smem: object   # (compute warpgroups, block_q)
   delta_smem: object
-  k_ring: object     # (num_stages, block_kv, D)
+  k_ring: object     # (dq stages, block_kv, D)
   v_ring: object
   staging: object    # interpreter only: (compute warpgroups, block_q, block_kv), else None
   masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
-  ids_ring: object = None    # segments: (num_stages, block_kv) int32, the keys' ids
+  ids_ring: object = None    # segments: (dq stages, block_kv) int32, the keys' ids
 
 
 class _Tile(NamedTuple):
@@ -83,7 +83,7 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
              bias_s, refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
   cfg = opts.config
-  slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
+  slot = pipeline.slot_of(ring0 + step, cfg.dq_stages)
   plgpu.barrier_wait(k_s.ready.at[slot])
   s, cap_grad = opts.logits.transform(
       common.matmul(q_smem, refs.k_ring.at[slot].T, (cfg.block_q, cfg.block_kv)),
@@ -158,7 +158,7 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
     own = own.full_within(cta)
   release = functools.partial(_release_step, ring0=ring0, streams=streams,
-                              num_stages=cfg.num_stages)
+                              num_stages=cfg.dq_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
   dq = common.walk_blocks(cta, own, step, release, dq)
 
@@ -181,7 +181,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
   masks, (dq,) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-  stages = cfg.num_stages
+  stages = cfg.dq_stages
   scratch = (
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),

@@ -1,0 +1,514 @@
+"""The dK/dV kernel for wide heads (D 256): the two compute warpgroups split the work by role.
+
+`dkv` gives each compute warpgroup its own block of keys and both of their accumulators,
+dK and dV, (block_kv, D) float32 each: at D 256 that is 2 × 128 registers a thread, over the
+232 it has. Here a CTA owns ONE block of 64 keys of one (batch, KV head), and each compute
+warpgroup keeps one accumulator. The producer streams Q, dO, the LSE and δ of every query
+block of every query head of the KV head's group, as in `dkv` (GQA is summed here, in a
+fixed order: deterministic); both compute warpgroups read every slot of that ring:
+
+    per step (query head h, query block j):
+      warpgroup 0 (dV)                       warpgroup 1 (dK)
+        Sᵀ = K Qᵀ                              dPᵀ = V dOᵀ
+        Pᵀ = 2^(c·Sᵀ − LSE), masked
+        wait p_consumed[step % 2]
+        p_smem[step % 2] = Pᵀ ──p_ready──────► wait p_ready[step % 2]; read Pᵀ
+        dV += Pᵀ dO            ◄─p_consumed── arrive p_consumed[step % 2]
+                                               dSᵀ = Pᵀ ∘ (dPᵀ − δ)
+                                               dK += dSᵀ Q     (scaled once at the end)
+
+Pᵀ crosses in float16 (`P_DTYPE`) through two shared-memory slots, so warpgroup 0 may run up
+to two steps ahead. With a logits soft-cap, dSᵀ also takes the cap's derivative, which only
+warpgroup 0 has (it holds Sᵀ): it hands over Pᵀ times that derivative instead of Pᵀ.
+
+Masks: the query blocks a key block meets come from the band (`masking.q_block_range`, with
+the blocks that need no element mask computed here), narrowed by the segments' spans; element
+masks run on the edge blocks only, and with key lengths on every block of the one key block
+that straddles its batch element's length (a block past it runs no step: dK = dV = 0). Keys
+past S and queries past T need no mask: TMA zero-fills their rows, δ is padded with zeros,
+so they add nothing, and the rows past S are clipped on store.
+
+A `mask` (uint8 tiles, `opts.bias_is_mask`) streams as a fifth ring of (BLOCK_KV, block_q)
+tiles (transposed, as in `dkv`), narrows the query blocks to those it leaves visible to some
+query head of the group, and is applied, with the element masks, on the blocks it does not
+leave wholly visible for the step's head; elsewhere no tile is copied. A bias (two bytes an
+entry) does not fit beside the rings at D 256; the backward kernels never get one anyway (a
+bias's gradient comes from `blockwise`), and it raises NotImplementedError.
+
+Shared memory at D 256, 16-bit, block_q 64, two stages (`smem_bytes`): the Q and dO ring
+2·2·64·256·2 = 128 KiB, K and V 64 KiB, the two Pᵀ slots 16 KiB, the LSE and δ ring 1 KiB:
+209 KiB of the 219 KiB budget; segment ids add 0.75 KiB and a mask's ring 8 KiB (217.75 KiB
+with both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from flash_attn_hopper import accumulate
+from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import hardware
+from flash_attn_hopper import masking
+from flash_attn_hopper import pipeline
+from flash_attn_hopper import softmax
+from flash_attn_hopper.kernels import common
+from flash_attn_hopper.kernels import dkv as dkv_kernel
+
+#: Keys per CTA: one wgmma M. Each warpgroup's (BLOCK_KV, D) float32 accumulator then takes
+#: 128 registers a thread at D 256, which leaves room for a step's (BLOCK_KV, block_q) blocks.
+BLOCK_KV = hardware.WGMMA_ROWS
+
+#: Pᵀ slots between the two compute warpgroups: with two, warpgroup 0 writes step s + 1's
+#: Pᵀ while warpgroup 1 still reads step s's.
+P_SLOTS = 2
+
+#: The dtype Pᵀ crosses in, whatever the inputs': its entries lie in [0, 1], where float16
+#: keeps 3 more mantissa bits than bfloat16 (below 2⁻¹⁴, its subnormals still round to within
+#: 2⁻²⁵). Handed over in bfloat16, dK's error on a CPU test (bfloat16, GQA, causal, T = S =
+#: 256) was 1.5× that of `dkv`, which keeps Pᵀ in float32; in float16, no larger. Float32
+#: slots (32 KiB) would overflow shared memory at D 256.
+P_DTYPE = jnp.float16
+
+
+class _Role(enum.IntEnum):
+  """What each compute warpgroup owns."""
+  DV = 0  # Sᵀ, Pᵀ (handed over) and the dV accumulator
+  DK = 1  # dPᵀ, dSᵀ and the dK accumulator
+
+
+class _TileLoad(enum.IntEnum):
+  """The per-CTA loads, each on its own barrier of `tile_ready`."""
+  K = 0
+  V = 1
+  K_IDS = 2  # segments only: the keys' segment ids
+
+
+class _Refs(NamedTuple):
+  """Global and shared-memory refs of one CTA. The fields `dkv._streams` reads (the inputs,
+  the rings, `masks`, `q_ids_ring`) carry the same names as `dkv._Refs`'s."""
+  q: object
+  k: object
+  v: object
+  do: object
+  lse: object        # (B, N, T_pad) float32, log2 units
+  delta: object      # (B, N, T_pad) float32
+  dk: object
+  dv: object
+  k_smem: object     # (BLOCK_KV, D): K, then dK out
+  v_smem: object     # (BLOCK_KV, D): V, then dV out
+  q_ring: object     # (num_stages, block_q, D)
+  do_ring: object
+  lse_ring: object   # (num_stages, block_q)
+  delta_ring: object
+  p_smem: object     # (P_SLOTS, BLOCK_KV, block_q): Pᵀ from warpgroup 0 to warpgroup 1
+  staging: object    # interpreter only: (compute warpgroups, BLOCK_KV, block_q), else None
+  masks: common.MaskInputs  # key lengths, segment ids and spans (per key block)
+  k_ids_smem: object = None  # segments: (BLOCK_KV,) int32
+  q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
+  mask_ring: object = None   # mask: (num_stages, 1, BLOCK_KV, block_q) uint8, transposed
+
+
+class _PBarriers(NamedTuple):
+  """The hand-over of Pᵀ, one barrier per slot each, one arrival (a warpgroup) each.
+
+  ready: warpgroup 0 wrote the slot's Pᵀ. consumed: warpgroup 1 read it (and, before that,
+  V for the same step), so warpgroup 0 may overwrite the slot, or at the end V's tile."""
+  ready: object
+  consumed: object
+
+
+class _Tile(NamedTuple):
+  """One CTA's keys and the query blocks that see them (the fields `dkv._step_rows` reads:
+  kv_head, q_block0, steps_per_head)."""
+  batch: jax.Array
+  kv_head: jax.Array
+  key0: jax.Array
+  blocks: masking.BlockRange  # query blocks, per query head of the group
+  q_block0: jax.Array
+  steps_per_head: jax.Array
+  seq_kv: jax.Array | int     # the batch element's keys (`key_value_seq_lengths`)
+
+
+def _ring_bytes(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int) -> int:
+  """The ring of Q, dO (head_dim wide) and the LSE, δ (float32), num_stages deep."""
+  return cfg.num_stages * cfg.block_q * (2 * head_dim * itemsize + 2 * 4)
+
+
+def smem_bytes(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
+               segments: bool = False, bias_bytes: int = 0) -> int:
+  """Shared memory the kernel allocates: K and V (then dK and dV), the Pᵀ slots, the ring of
+  Q, dO, the LSE and δ (with `segments`, the keys' ids and a ring of the queries'; with
+  `bias_bytes` an entry, 1 for a mask, a ring of (BLOCK_KV, block_q) tiles)."""
+  tiles = 2 * BLOCK_KV * head_dim * itemsize
+  p_slots = P_SLOTS * BLOCK_KV * cfg.block_q * jnp.dtype(P_DTYPE).itemsize
+  ids = (BLOCK_KV + cfg.num_stages * cfg.block_q) * 4 if segments else 0
+  bias_ring = cfg.num_stages * BLOCK_KV * cfg.block_q * bias_bytes
+  return tiles + _ring_bytes(cfg, head_dim, itemsize) + p_slots + ids + bias_ring
+
+
+def check_config(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
+                 segments: bool = False, bias_bytes: int = 0) -> None:
+  """Raises ValueError, naming the field, when `cfg` does not suit this kernel: block_kv must
+  be BLOCK_KV, and the tiles must fit the shared-memory budget."""
+  if cfg.block_kv != BLOCK_KV:
+    raise ValueError(f"the split dK/dV kernel takes BackwardConfig.block_kv == {BLOCK_KV} "
+                     f"(one wgmma M of keys per CTA); got {cfg.block_kv}")
+  need = smem_bytes(cfg, head_dim, itemsize, segments, bias_bytes)
+  if need > config_lib.SMEM_BUDGET:
+    raise ValueError(
+        f"{cfg} needs {need} bytes of shared memory in the split dK/dV kernel at "
+        f"head_dim={head_dim}, over the {config_lib.SMEM_BUDGET}-byte budget; the ring of Q, "
+        f"dO, the LSE and δ takes {_ring_bytes(cfg, head_dim, itemsize)} of them: lower "
+        f"BackwardConfig.block_q or BackwardConfig.num_stages")
+
+
+def _band_q_blocks(spec: masking.MaskSpec, key0, seq_q: int,
+                   block_q: int) -> masking.BlockRange:
+  """The query blocks that see any of the keys [key0, key0 + BLOCK_KV)
+  (`masking.q_block_range`), with those that see all of them, which need no element mask.
+
+  Query i sees every one of those keys when key0 + BLOCK_KV − 1 − upper ≤ i + offset ≤
+  key0 + left: a block from its first query on the upper side, up to its last on the left."""
+  blocks = masking.q_block_range(spec, key0, BLOCK_KV, seq_q, block_q)
+  if not spec.banded:
+    return masking.BlockRange(blocks.first, blocks.first, blocks.end, blocks.end)
+  full_lo, full_hi = blocks.first, blocks.end
+  if spec.upper is not None:  # ceil((key0 + BLOCK_KV − 1 − upper − offset) / block_q)
+    full_lo = (key0 + BLOCK_KV - 1 - spec.upper - spec.offset + block_q - 1) // block_q
+  if spec.left is not None:   # floor((key0 + left − offset + 1) / block_q)
+    full_hi = (key0 + spec.left - spec.offset + 1) // block_q
+  full_lo = jnp.clip(full_lo, blocks.first, blocks.end)
+  return blocks._replace(full_lo=full_lo, full_hi=jnp.clip(full_hi, full_lo, blocks.end))
+
+
+def _may_mask(opts) -> bool:
+  """Whether any step may need an element mask (else warpgroup 0 emits none)."""
+  return opts.mask.banded or opts.kv_lens or opts.segments or bool(opts.bias)
+
+
+def _tile(masks: common.MaskInputs, dims: common.Dims, opts) -> _Tile:
+  cfg = opts.config
+  batch = lax.axis_index("batch")
+  key0 = lax.axis_index("kv_tile") * BLOCK_KV
+  seq_kv = common.keys_of(batch, masks.kv_lens, dims)
+  blocks = _band_q_blocks(opts.mask, key0, dims.seq_q, cfg.block_q)
+  kv_head = lax.axis_index("kv_head")
+  if opts.segments:  # Only the query blocks that share a segment with the keys.
+    blocks = blocks.intersect(masking.BlockRange.read(masks.spans, batch, key0 // BLOCK_KV))
+  if opts.bias:  # And that a mask leaves visible to some query head of the group.
+    heads = range(dims.group) if opts.bias[1] else range(1)
+    seen = functools.reduce(masking.BlockRange.union, [
+        _mask_blocks(masks, opts, batch, kv_head * dims.group + g, key0) for g in heads])
+    # First and end only: which blocks it leaves wholly visible is per head (`_head_blocks`).
+    blocks = blocks.intersect(masking.BlockRange(seen.first, seen.first, seen.end, seen.end))
+  if opts.kv_lens:
+    # A key block past the batch element's keys runs no step (dK = dV = 0); one that
+    # straddles them masks every step.
+    n = blocks.end
+    lengths = masking.BlockRange(0, 0, jnp.where(key0 + BLOCK_KV <= seq_kv, n, 0),
+                                 jnp.where(key0 < seq_kv, n, 0))
+    blocks = blocks.intersect(lengths)
+  return _Tile(batch=batch, kv_head=kv_head, key0=key0, blocks=blocks,
+               q_block0=blocks.first, steps_per_head=blocks.end - blocks.first, seq_kv=seq_kv)
+
+
+def _mask_blocks(masks: common.MaskInputs, opts, batch, head, key0) -> masking.BlockRange:
+  """The query blocks a mask leaves visible to the keys [key0, key0 + BLOCK_KV) for query
+  head `head`, and those it leaves wholly visible (no tile needed)."""
+  index = common.bias_index(batch, head, opts)
+  return masking.BlockRange.read(masks.bias_spans, *index, key0 // BLOCK_KV)
+
+
+def _head_blocks(tile: _Tile, masks: common.MaskInputs, opts, head) -> masking.BlockRange:
+  """The tile's query blocks for query head `head`: with a mask, only those it leaves wholly
+  visible to the keys stay full; the others take its tile and the element masks."""
+  if not opts.bias:
+    return tile.blocks
+  return tile.blocks.full_within(_mask_blocks(masks, opts, tile.batch, head, tile.key0))
+
+
+def _mask_stream(tile: _Tile, refs: _Refs, ready, consumed, dims, opts) -> pipeline.Stream:
+  """A mask's transposed tiles, (this CTA's keys, the step's queries), copied on the steps
+  that warpgroup 0 masks (`_head_blocks`)."""
+  masks, cfg = refs.masks, opts.config
+  _, num_heads, row_blocks, _ = masks.bias_spans.shape
+
+  def src(step):
+    head, q0 = dkv_kernel._step_rows(step, tile, dims, cfg)
+    b, h = common.bias_index(tile.batch, head, opts)
+    first = (b * num_heads + h) * row_blocks + tile.key0 // BLOCK_KV
+    return masks.bias.at[pl.ds(first, 1), pl.ds(0, BLOCK_KV), pl.ds(q0, cfg.block_q)]
+
+  def needed(step):
+    head, q0 = dkv_kernel._step_rows(step, tile, dims, cfg)
+    return ~_head_blocks(tile, masks, opts, head).is_full(q0 // cfg.block_q)
+  return pipeline.Stream(src, refs.mask_ring, ready, consumed, needed)
+
+
+def _wait_ready(streams, slot):
+  for stream in streams:
+    plgpu.barrier_wait(stream.ready.at[slot])
+
+
+def _release(streams, slot):
+  """Arrives on the consumed barrier of each stream (`None`s skipped) for `slot`."""
+  for stream in streams:
+    if stream is not None:
+      plgpu.barrier_arrive(stream.consumed.at[slot])
+
+
+def _split_streams(streams, opts):
+  """(Q, dO, LSE, δ, the queries' ids or None, the mask or None): the order `_streams` builds
+  them in."""
+  q_s, do_s, lse_s, delta_s, *extra = streams
+  ids_s = extra.pop(0) if opts.segments else None
+  return q_s, do_s, lse_s, delta_s, ids_s, (extra.pop(0) if opts.bias else None)
+
+
+def _hand_over_p(step, pt, refs: _Refs, pbar: _PBarriers):
+  """Warpgroup 0's side: writes step `step`'s Pᵀ into its slot once the slot's previous Pᵀ
+  (step − P_SLOTS) was read, and signals it."""
+  slot = step % P_SLOTS
+  pl.when(step >= P_SLOTS)(lambda: plgpu.barrier_wait(pbar.consumed.at[slot]))
+  refs.p_smem.at[slot][...] = pt.astype(P_DTYPE)
+  plgpu.barrier_arrive(pbar.ready.at[slot])
+
+
+def _take_p(step, refs: _Refs, pbar: _PBarriers):
+  """Warpgroup 1's side: waits for step `step`'s Pᵀ, reads it (float32) and frees its slot."""
+  slot = step % P_SLOTS
+  plgpu.barrier_wait(pbar.ready.at[slot])
+  pt = refs.p_smem.at[slot][...].astype(jnp.float32)
+  plgpu.barrier_arrive(pbar.consumed.at[slot])
+  return pt
+
+
+def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, opts,
+             masked: bool):
+  """Warpgroup 0, ring step `step`: Sᵀ, Pᵀ (masked when `masked`) handed over, dV += Pᵀ dO."""
+  cfg = opts.config
+  slot = pipeline.slot_of(step, cfg.num_stages)
+  q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
+  _wait_ready(streams, slot)
+  st = common.matmul(refs.k_smem, refs.q_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
+  _release((q_s,), slot)  # Warpgroup 0 reads Q for Sᵀ only.
+  mask_t = None  # A mask's tile comes on masked steps only (`_mask_stream`).
+  if masked and mask_s is not None:
+    mask_t = common.bias_values(refs.mask_ring.at[slot, 0][...], opts)
+  _release((mask_s,), slot)
+  st, cap_grad = opts.logits.transform(st, mask_t)
+  if masked:
+    segments = None
+    if opts.segments:
+      segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
+    _, q0 = dkv_kernel._step_rows(step, tile, dims, cfg)
+    st = masking.apply_element_mask(st, q0, tile.key0, tile.seq_kv if opts.kv_lens else None,
+                                    opts.mask, key_axis=0, segments=segments)
+  lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
+  _release((ids_s, lse_s, delta_s), slot)  # δ is warpgroup 1's.
+
+  pt = softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1)
+  # With a soft-cap, dSᵀ = Pᵀ ∘ cap' ∘ (dPᵀ − δ): warpgroup 1 gets Pᵀ ∘ cap'.
+  _hand_over_p(step, pt if cap_grad is None else pt * cap_grad, refs, pbar)
+  staging = None if refs.staging is None else refs.staging.at[_Role.DV]
+  dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), refs.do_ring.at[slot],
+                                    staging=staging)
+  _release((do_s,), slot)
+  return dv
+
+
+def _dk_step(step, dk, *, refs: _Refs, streams, pbar, dims, opts):
+  """Warpgroup 1, ring step `step`: dPᵀ, then Pᵀ from warpgroup 0; dK += dSᵀ Q."""
+  cfg = opts.config
+  slot = pipeline.slot_of(step, cfg.num_stages)
+  q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
+  _wait_ready(streams, slot)
+  _release((lse_s, ids_s, mask_s), slot)  # Warpgroup 0's.
+  dpt = common.matmul(refs.v_smem, refs.do_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
+  _release((do_s,), slot)
+  delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
+  _release((delta_s,), slot)
+  # After dPᵀ: freeing the Pᵀ slot also tells warpgroup 0 that this step's V read is done.
+  dst = softmax.logits_grad(_take_p(step, refs, pbar), dpt, delta, query_axis=1)
+  staging = None if refs.staging is None else refs.staging.at[_Role.DK]
+  dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
+                                    staging=staging)
+  _release((q_s,), slot)
+  return dk
+
+
+def _load_tile(role: _Role, tile: _Tile, refs: _Refs, tile_ready, opts):
+  """Each warpgroup issues the loads of what it reads (warpgroup 0: K and the keys' ids,
+  warpgroup 1: V), and both wait for all of them: each later writes its output over the
+  other's input (dK over K, dV over V), which must have landed even when no step runs."""
+  rows = pl.ds(tile.key0, BLOCK_KV)
+  if role == _Role.DV:
+    plgpu.copy_gmem_to_smem(refs.k.at[tile.batch, rows, tile.kv_head], refs.k_smem,
+                            tile_ready.at[_TileLoad.K])
+    if opts.segments:
+      plgpu.copy_gmem_to_smem(refs.masks.kv_ids.at[tile.batch, rows], refs.k_ids_smem,
+                              tile_ready.at[_TileLoad.K_IDS])
+  else:
+    plgpu.copy_gmem_to_smem(refs.v.at[tile.batch, rows, tile.kv_head], refs.v_smem,
+                            tile_ready.at[_TileLoad.V])
+  plgpu.barrier_wait(tile_ready.at[_TileLoad.K])
+  plgpu.barrier_wait(tile_ready.at[_TileLoad.V])
+  if opts.segments and role == _Role.DV:
+    plgpu.barrier_wait(tile_ready.at[_TileLoad.K_IDS])
+
+
+def _store(acc, smem, dst, dtype):
+  """The accumulator out through shared memory and TMA (rows past S are clipped)."""
+  smem[...] = acc.astype(dtype)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dv_loop(tile: _Tile, masks: common.MaskInputs, step, dv, dims, opts):
+  """Warpgroup 0's steps, head by head: element masks on the edge blocks only."""
+  if not _may_mask(opts):
+    return lax.fori_loop(0, dims.group * tile.steps_per_head,
+                         functools.partial(step, masked=False), dv)
+
+  def head(g, dv):
+    b = _head_blocks(tile, masks, opts, tile.kv_head * dims.group + g)
+    base = g * tile.steps_per_head - b.first  # the ring step of query block j is base + j
+    for lo, hi, masked in ((b.first, b.full_lo, True), (b.full_lo, b.full_hi, False),
+                           (b.full_hi, b.end, True)):
+      dv = common.fori(base + lo, base + hi, functools.partial(step, masked=masked), dv)
+    return dv
+  return lax.fori_loop(0, dims.group, head, dv)
+
+
+def _dv_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  _load_tile(_Role.DV, tile, refs, tile_ready, opts)
+  # The keys' ids, per row of a (keys, queries) block.
+  k_ids = plgpu.load(refs.k_ids_smem, layout=common.ROWS) if opts.segments else None
+  step = functools.partial(_dv_step, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
+                           pbar=pbar, dims=dims, opts=opts)
+  dv = _dv_loop(tile, refs.masks, step, common.zeros_accumulator((BLOCK_KV, dims.head_dim)),
+                dims, opts)
+
+  # Observe the last phase of each Pᵀ slot: warpgroup 1 then reads V no more.
+  num_steps = dims.group * tile.steps_per_head
+  @pl.loop(jnp.maximum(num_steps - P_SLOTS, 0), num_steps)
+  def _last_reads(s):
+    plgpu.barrier_wait(pbar.consumed.at[s % P_SLOTS])
+
+  _store(dv, refs.v_smem, refs.dv.at[tile.batch, pl.ds(tile.key0, BLOCK_KV), tile.kv_head],
+         dims.dtype)
+
+
+def _dk_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  _load_tile(_Role.DK, tile, refs, tile_ready, opts)
+  step = functools.partial(_dk_step, refs=refs, streams=streams, pbar=pbar, dims=dims,
+                           opts=opts)
+  dk = lax.fori_loop(0, dims.group * tile.steps_per_head, step,
+                     common.zeros_accumulator((BLOCK_KV, dims.head_dim)))
+  # K is no longer read: warpgroup 0 read it last before handing over the last Pᵀ.
+  _store(dk * opts.scale, refs.k_smem,
+         refs.dk.at[tile.batch, pl.ds(tile.key0, BLOCK_KV), tile.kv_head], dims.dtype)
+
+
+def _compute(wg, tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
+  args = (tile, refs, streams, pbar, tile_ready, dims, opts)
+  pl.when(wg == _Role.DV)(lambda: _dv_warpgroup(*args))
+  pl.when(wg == _Role.DK)(lambda: _dk_warpgroup(*args))
+
+
+def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
+  """Q, dO, the LSE, δ (and the queries' ids) as `dkv` streams them, then a mask's tiles."""
+  streams = dkv_kernel._streams(tile, refs, barriers, dims, dataclasses.replace(opts, bias=None))
+  if opts.bias:
+    streams += (_mask_stream(tile, refs, *barriers[len(streams)], dims, opts),)
+  return streams
+
+
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+  masks, (dk, dv) = common.MaskInputs.split(rest, opts)
+  cfg = opts.config
+  stages = cfg.num_stages
+  scratch = (
+      common.smem_tile((BLOCK_KV, dims.head_dim), dims.dtype),
+      common.smem_tile((BLOCK_KV, dims.head_dim), dims.dtype),
+      common.smem_tile((stages, cfg.block_q, dims.head_dim), dims.dtype),
+      common.smem_tile((stages, cfg.block_q, dims.head_dim), dims.dtype),
+      plgpu.SMEM((stages, cfg.block_q), jnp.float32),
+      plgpu.SMEM((stages, cfg.block_q), jnp.float32),
+      common.smem_tile((P_SLOTS, BLOCK_KV, cfg.block_q), P_DTYPE),
+      plgpu.SMEM((BLOCK_KV,), jnp.int32) if opts.segments else None,
+      plgpu.SMEM((stages, cfg.block_q), jnp.int32) if opts.segments else None,
+      common.smem_tile((stages, 1, BLOCK_KV, cfg.block_q), opts.bias_dtype(dims.dtype))
+      if opts.bias else None,
+  )
+  staging = accumulate.staging_types(pipeline.NUM_COMPUTE_WARPGROUPS, (BLOCK_KV, cfg.block_q),
+                                     dims.dtype, interpret=opts.interpret)
+  num_streams = 4 + bool(opts.segments) + bool(opts.bias)  # Q, dO, LSE, δ (, ids) (, mask)
+  barriers = (plgpu.Barrier(num_barriers=len(_TileLoad) if opts.segments else _TileLoad.K_IDS),
+              plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ ready
+              plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ consumed
+              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
+
+  def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, k_ids_smem,
+             q_ids_ring, mask_ring, *rest):
+    refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
+                 delta_ring, p_smem, rest[0] if staging else None, masks, k_ids_smem,
+                 q_ids_ring, mask_ring)
+    tile_ready, p_ready, p_consumed, *ring_barriers = rest[len(staging):]
+    pbar = _PBarriers(p_ready, p_consumed)
+    tile = _tile(masks, dims, opts)
+    streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
+                       opts)
+    common.specialize(
+        lambda wg: _compute(wg, tile, refs, streams, pbar, tile_ready, dims, opts),
+        lambda: common.producer(streams, dims.group * tile.steps_per_head, stages))
+
+  pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
+
+
+def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
+        segment_ids=None, bias=None):
+  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs, as `dkv.dkv` takes
+  them (see `backward`); for head dims whose two accumulators do not fit one warpgroup's
+  registers (D 256).
+
+  `opts.config` is a `BackwardConfig` with block_kv == BLOCK_KV (its block_q and num_stages
+  are used; see `check_config`). A mask (`opts.bias_is_mask`) is supported, a bias is not.
+  """
+  if opts.bias and not opts.bias_is_mask:
+    need = smem_bytes(config_lib.BackwardConfig(), 256, 2, bias_bytes=2)
+    raise NotImplementedError(
+        "the split dK/dV kernel takes a mask's uint8 tiles but no bias tiles: at head_dim 256 "
+        f"a ring of them does not fit beside Q, dO, K, V and the Pᵀ slots ({need} bytes with "
+        f"the smallest blocks, over the {config_lib.SMEM_BUDGET}-byte budget); a bias's "
+        "gradients come from the blockwise backward")
+  dims = common.Dims.of(q, k, opts)
+  cfg = opts.config
+  check_config(cfg, dims.head_dim, jnp.dtype(dims.dtype).itemsize, opts.segments,
+               opts.bias_bytes(dims.dtype))
+  num_kv_tiles = pl.cdiv(k.shape[1], BLOCK_KV)
+  masks = common.MaskInputs.of(kv_lens, segment_ids, opts,
+                              seq_q=pl.cdiv(q.shape[1], cfg.block_q) * cfg.block_q,
+                              seq_kv=num_kv_tiles * BLOCK_KV, block_q=cfg.block_q,
+                              block_kv=BLOCK_KV, tiles_are_keys=True)
+  masks = masks.with_bias(bias, rows=num_kv_tiles * BLOCK_KV, row_block=BLOCK_KV,
+                          col_block=cfg.block_q, tiles_are_keys=True)
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  return common.launch(
+      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
+      *masks.arrays(), out_type=out_type,
+      grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
+      grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv_split",
+      interpret=opts.interpret)
