@@ -64,6 +64,9 @@ def _add_grid_options(p: argparse.ArgumentParser):
                  "(default: all that import); ours always runs")
   g.add_argument("--interpret", action="store_true",
                  help="run our kernel with interpret=True (CPU smoke runs)")
+  g.add_argument("--backward-config", metavar="BQ,BKV,STAGES[,DQ_STAGES]", default=None,
+                 help="our op's backward_config for every cell (e.g. 64,64,2,1: D 256's "
+                      "kernels, opt-in until they have run on a GPU)")
 
 
 def _add_run_options(p: argparse.ArgumentParser):
@@ -103,6 +106,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
   args.head_dims = _ints(_pick(args, "head_dims"), "--head-dims")
   args.causal = CAUSAL[_pick(args, "causal")]
   args.dtypes = _choices(_pick(args, "dtypes"), DTYPES, "--dtypes")
+  if args.backward_config is not None:
+    fields = _ints(args.backward_config, "--backward-config")
+    if len(fields) not in (3, 4):
+      raise SystemExit("--backward-config takes BQ,BKV,STAGES or BQ,BKV,STAGES,DQ_STAGES")
+    import flash_attn_hopper  # pylint: disable=import-outside-toplevel
+    args.backward_config = flash_attn_hopper.BackwardConfig(*fields)
   if args.peers is None or args.peers == "all":
     args.peers = PEER_NAMES
   else:

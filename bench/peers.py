@@ -51,21 +51,25 @@ def workload_scale(workload: Workload) -> float:
 
 # --- ours --------------------------------------------------------------------------------------
 
-def _ours_fn(q, k, v, workload: Workload, *, interpret: bool):
+def _ours_fn(q, k, v, workload: Workload, *, interpret: bool, backward_config=None):
   """Our kernel, forced (no fallback), imported lazily so a missing op fails one cell only."""
   import flash_attn_hopper  # pylint: disable=import-outside-toplevel
   op = getattr(flash_attn_hopper, "dot_product_attention", None)
   if op is None:
     raise ImportError("flash_attn_hopper.dot_product_attention does not exist yet")
+  extra = {} if backward_config is None else {"backward_config": backward_config}
   return op(q, k, v, scale=workload_scale(workload), is_causal=workload.is_causal,
-            implementation="flash_attn_hopper", interpret=interpret)
+            implementation="flash_attn_hopper", interpret=interpret, **extra)
 
 
-def ours_peer(interpret: bool = False) -> Peer:
-  """Our kernel; `interpret` runs it in Pallas interpret mode (for CPU smoke runs)."""
-  return Peer(OURS, functools.partial(_ours_fn, interpret=interpret),
+def ours_peer(interpret: bool = False, backward_config=None) -> Peer:
+  """Our kernel; `interpret` runs it in Pallas interpret mode (for CPU smoke runs);
+  `backward_config` is passed to the op (None: its tuned one)."""
+  return Peer(OURS, functools.partial(_ours_fn, interpret=interpret,
+                                      backward_config=backward_config),
               description="flash_attn_hopper (implementation='flash_attn_hopper')"
-              + (", interpret=True" if interpret else ""))
+              + (", interpret=True" if interpret else "")
+              + ("" if backward_config is None else f", backward_config={backward_config}"))
 
 
 # --- jax.nn: cuDNN and XLA ---------------------------------------------------------------------

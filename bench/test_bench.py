@@ -118,6 +118,16 @@ def test_quick_preset_and_explicit_override():
   assert args.dtypes == ("bfloat16",) and args.peers == peers.PEER_NAMES
 
 
+def test_backward_config_reaches_our_peer():
+  import flash_attn_hopper as fah
+  p = options.build_parser("")
+  args = options.resolve(p.parse_args(["--backward-config", "64,64,2,1"]))
+  assert args.backward_config == fah.BackwardConfig(64, 64, 2, dq_num_stages=1)
+  assert "dq_num_stages=1" in peers.ours_peer(False, args.backward_config).description
+  with pytest.raises(SystemExit):
+    options.resolve(p.parse_args(["--backward-config", "64,64"]))
+
+
 def test_cli_end_to_end(tmp_path, capsys):
   rc = cli.main(["--peers", "xla", "--seq-lens", "64", "--head-dims", "32", "--dtypes",
                  "float32", "--tokens", "64", "--hidden", "64", "--repeats", "2", "--passes",
