@@ -304,11 +304,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     key, value: (B, S, K, H) or (S, K, H); N must be a multiple of K (GQA; K = 1 is MQA).
       K/V are never repeated in memory.
     bias, mask: as in `jax.nn`, broadcastable to (B, N, T, S). The kernel adds them to the
-      scaled logits as one bias tile per block (the mask as −inf, materialized to
-      (B|1, N|1, T, S) in the inputs' dtype) and skips blocks a mask leaves fully invisible.
-      D 64 and 128 (at D 256 the tiles do not fit shared memory: NotImplementedError). With
-      a mask alone the backward kernels stream the same tiles; with a `bias`, whose own
-      gradient dS they do not write, the gradients come from `blockwise` (XLA).
+      scaled logits as one bias tile per block (the mask as −inf), materialized to
+      (B|1, N|1, T, S): a bias in the inputs' dtype, a mask alone as uint8. Blocks a mask
+      hides entirely are skipped; blocks it leaves fully visible stream no tile. A bias at
+      D 64 and 128 (at D 256 its tiles do not fit shared memory: NotImplementedError), a
+      mask at every head dim. With a mask alone the backward kernels stream the same tiles;
+      with a `bias`, whose own gradient dS they do not write, the gradients come from
+      `blockwise` (XLA).
     query_seq_lengths, key_value_seq_lengths: (B,) int32, as in `jax.nn` (padding). Keys
       past a batch element's length are masked and their blocks skipped; output rows past a
       query's length are zero.

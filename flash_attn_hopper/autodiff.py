@@ -1,12 +1,10 @@
 """Autodiff wiring of the kernel attention: a `jax.custom_vjp` over the kernels.
 
 Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ preprocess, dQ,
-dK/dV) at the head dims they were validated for on an H200, and at D 256 (dQ with a one-stage
-ring, the split dK/dV kernel) when a `backward_config` asks for them, until they have run on
-a GPU. Otherwise, and when a bias's own gradient is wanted (the kernels stream bias tiles, a
-mask's included, but do not write dS out), it runs `blockwise`, FlashAttention's backward
-in XLA ops, with O(T) extra memory like the kernels (and the bias's gradient, shaped like
-it).
+dK/dV; at D 256 dQ with a one-stage ring and the split dK/dV kernel). When a bias's own
+gradient is wanted (the kernels stream bias tiles, a mask's included, but do not write dS
+out), it runs `blockwise`, FlashAttention's backward in XLA ops, with O(T) extra memory like
+the kernels (and the bias's gradient, shaped like it).
 """
 
 from __future__ import annotations
@@ -25,21 +23,16 @@ from flash_attn_hopper.kernels import forward as forward_kernel
 
 #: Head dims whose gradients come from the Pallas backward kernels; the others go through
 #: `blockwise`. The kernels passed tests/test_backward_gpu.py (fp16/bf16, GQA/MHA/MQA, causal
-#: and not, T and S from 113 to 4096) on an H200 with jax 0.11.2 on 2026-11-29 at D 64 and 128.
-KERNEL_BACKWARD_HEAD_DIMS = (64, 128)
-#: Head dims whose backward kernels exist but have not run on a GPU yet (D 256: dQ with a
-#: one-stage ring and the split dK/dV kernel, checked in the interpreter and by lowering for
-#: CUDA): they run only when asked for with an explicit `backward_config`; by default these
-#: dims differentiate through `blockwise`.
-OPT_IN_KERNEL_BACKWARD_HEAD_DIMS = (256,)
+#: and not, T and S from 113 to 4096) on an H200 with jax 0.11.2: D 64 and 128 on 2026-11-29,
+#: D 256 (and its masks) on 2026-11-30.
+KERNEL_BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 
-def backward_in_kernels(head_dim: int, opts, bwd_config) -> bool:
+def backward_in_kernels(head_dim: int, opts) -> bool:
   """Whether the backward kernels (not `blockwise`) compute the gradients."""
   if opts.bias_grad:  # The kernels do not write dS, the bias's gradient.
     return False
-  return head_dim in KERNEL_BACKWARD_HEAD_DIMS or (
-      bwd_config is not None and head_dim in OPT_IN_KERNEL_BACKWARD_HEAD_DIMS)
+  return head_dim in KERNEL_BACKWARD_HEAD_DIMS
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -66,13 +59,14 @@ def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config):
 def _attention_bwd(opts, bwd_config, residuals, cotangents):
   q, k, v, masks, out, lse = residuals
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
-  if not backward_in_kernels(q.shape[-1], opts, bwd_config):
+  if not backward_in_kernels(q.shape[-1], opts):
     dq, dk, dv, *dbias = _blockwise_backward(q, k, v, out, lse, dout, masks, opts)
     return dq, dk, dv, None, None, (dbias[0] if dbias and opts.bias_grad else None)
   bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
                                     config=config_lib.resolve_backward_config(
                                         q.shape[-1], q.dtype, opts.is_causal, bwd_config,
-                                        opts.segments, opts.bias_bytes(q.dtype)),
+                                        opts.segments, opts.bias_bytes(q.dtype),
+                                        seq_len=q.shape[1]),
                                     interpret=opts.interpret, seq_kv=opts.seq_kv,
                                     kv_lens=opts.kv_lens, segments=opts.segments,
                                     soft_cap=opts.soft_cap, bias=opts.bias,

@@ -188,28 +188,52 @@ TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
 }
 
 
-# The backward kernels' blocks, keys (head_dim, is_causal). Not tuned yet: (64, 64, 2) is what
-# passed the GPU tests on an H200 (jax 0.11.2, 2026-11-29) at D 64 and 128.
-# `python -m bench.autotune --backward` times the candidates that fit and prints entries.
-# D 256: the only shape that fits both kernels (dQ's ring one stage deep; the split dK/dV
-# kernel takes block_kv 64), not yet run on a GPU.
+# The backward kernels' blocks, keys (head_dim, is_causal). Tuned on an H200 with jax 0.11.2,
+# 2026-11-30, bfloat16, fwd+bwd timed, gradients checked against cuDNN's, by
+#   python -m bench.autotune --backward --head-dims 128,64 --seq-lens 1024,4096 --repeats 5
+# (bench/results/autotune_backward.json; geometric mean over T of the race grid's shapes, in
+# fwd+bwd TFLOP/s, against (64, 64, 2) beside it). block_kv 128 spills registers in dQ and
+# runs at half speed; block_q 128 pays only at D 64 without causal. D 256: the only shape that
+# fits both kernels (dQ's ring one stage deep; the split dK/dV kernel takes block_kv 64).
+# A tuned entry that does not fit beside segment ids or a mask gives way to the default.
 TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
-    (64, False): BackwardConfig(), (64, True): BackwardConfig(),
-    (128, False): BackwardConfig(), (128, True): BackwardConfig(),
+    (64, False): BackwardConfig(block_q=128, block_kv=64, num_stages=2),  # 368.3 (326.8)
+    (64, True): BackwardConfig(block_q=64, block_kv=64, num_stages=3),    # 281.7 (271.6)
+    (128, False): BackwardConfig(block_q=64, block_kv=64, num_stages=2),  # 460.9
+    (128, True): BackwardConfig(block_q=64, block_kv=64, num_stages=3),   # 361.0 (348.0)
     (256, False): BackwardConfig(dq_num_stages=1), (256, True): BackwardConfig(dq_num_stages=1),
+}
+
+# Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many
+# queries on, config). At D 128 causal the third stage pays at 1k and 4k but not at 16k: in
+# one grid run on the H200 (2026-11-30, bf16, fwd+bwd TFLOP/s) 3 stages gave 308 / 421 / 457
+# at T = 1k / 4k / 16k and 2 stages 296 / 408 / 489
+# (bench/results/h200_backward.md, h200_d128_causal_2stages.md). 8k is not measured: the
+# crossover lies between 4k and 16k.
+TUNED_BACKWARD_LONG: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
+    (128, True): (8192, BackwardConfig(block_q=64, block_kv=64, num_stages=2)),
 }
 
 
 def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
                             config: BackwardConfig | None = None,
-                            segments: bool = False, bias_bytes: int = 0) -> BackwardConfig:
-  """Picks the backward config: explicit, else tuned, else the default; checked to fit
-  (`bias_bytes` per element of a bias ring: 0 none, 1 a mask)."""
+                            segments: bool = False, bias_bytes: int = 0,
+                            seq_len: int = 0) -> BackwardConfig:
+  """Picks the backward config: explicit, else tuned (for `seq_len` queries), else the
+  default; checked to fit (`bias_bytes` per element of a bias ring: 0 none, 1 a mask)."""
+  itemsize = np.dtype(dtype).itemsize
   if config is None:
-    config = TUNED_BACKWARD.get((head_dim, bool(is_causal)), BackwardConfig())
+    key = (head_dim, bool(is_causal))
+    config = TUNED_BACKWARD.get(key, BackwardConfig())
+    if key in TUNED_BACKWARD_LONG and seq_len >= TUNED_BACKWARD_LONG[key][0]:
+      config = TUNED_BACKWARD_LONG[key][1]
+    try:
+      config.check_fits(head_dim, itemsize, segments, bias_bytes)
+    except ValueError:
+      config = BackwardConfig()
   elif not isinstance(config, BackwardConfig):
     raise TypeError(f"backward_config must be a BackwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, np.dtype(dtype).itemsize, segments, bias_bytes)
+  config.check_fits(head_dim, itemsize, segments, bias_bytes)
   return config
 
 

@@ -20,8 +20,8 @@ chunks a block is either fully visible, causal on its diagonal, or skipped.
     out = sharded_attention(mesh, "sp", q, k, v, is_causal=True)                   # from outside
 
 Blocks run through `dot_product_attention` (our kernel on Hopper; `implementation="xla"`
-elsewhere) and their backward through the backward kernels where the op's would run (Hopper,
-D 64 and 128), else `blockwise` (XLA).
+elsewhere) and their backward through the backward kernels where the op's would run
+(Hopper), else `blockwise` (XLA).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _kernel_block_backward(q, k, v, out, lse, dout, segments, is_causal, scale, 
   (B, T, N) as the kernels read it, (B, N, whole tiles), padded rows contributing nothing."""
   t, s = q.shape[1], k.shape[1]
   cfg = config_lib.resolve_backward_config(q.shape[-1], q.dtype, is_causal, None,
-                                           segments is not None)
+                                           segments is not None, seq_len=t)
   rows = 2 * cfg.block_q
   pad_q = lambda x: api._pad_seq(x, rows)
   qp, outp, doutp = pad_q(q), pad_q(out), pad_q(dout)

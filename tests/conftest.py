@@ -19,6 +19,14 @@ hypothesis.settings.register_profile("dev", deadline=None)
 hypothesis.settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
 hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
+# The Mosaic GPU interpreter runs each warpgroup as an XLA computation whose callbacks block on
+# the kernel's barriers, on the threads of XLA's CPU client (one per core by default). D 256's
+# split dK/dV kernel often has two of its three warpgroups blocked at once, so on a 2-core
+# machine the third found no thread and the run deadlocked. XLA reads this when JAX first
+# starts a backend, which is after this file is loaded.
+INTERPRETER_THREADS = 8
+os.environ.setdefault("PJRT_NPROC", str(INTERPRETER_THREADS))
+
 @functools.cache
 def hopper_status() -> tuple[bool, str]:
   """(whether the default JAX device is an sm90 GPU, a description of what was found)."""

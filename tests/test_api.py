@@ -215,8 +215,20 @@ def test_backward_config_errors_name_the_field(rng):
     fah.dot_product_attention(*_qkv(rng, d=128), backward_config=big, interpret=True)
 
 
-@pytest.mark.parametrize("head_dim", (64, 128))
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("is_causal", (False, True))
-def test_every_tuned_backward_config_fits(head_dim, is_causal):
-  cfg = config_lib.resolve_backward_config(head_dim, jnp.bfloat16, is_causal, segments=True)
-  assert cfg.smem_bytes(head_dim, 2, segments=True) <= config_lib.SMEM_BUDGET
+@pytest.mark.parametrize("seq_len", (1024, 16384))
+@pytest.mark.parametrize("features", [{}, dict(segments=True), dict(bias_bytes=1),
+                                      dict(segments=True, bias_bytes=1)], ids=str)
+def test_every_tuned_backward_config_fits(head_dim, is_causal, seq_len, features):
+  """Tuned entries that do not fit beside segment ids or a mask give way to the default."""
+  cfg = config_lib.resolve_backward_config(head_dim, jnp.bfloat16, is_causal,
+                                           seq_len=seq_len, **features)
+  assert cfg.smem_bytes(head_dim, 2, **features) <= config_lib.SMEM_BUDGET
+
+
+def test_long_sequences_take_their_own_backward_config():
+  (length, long_cfg), = [v for k, v in config_lib.TUNED_BACKWARD_LONG.items() if k == (128, True)]
+  short = config_lib.resolve_backward_config(128, jnp.bfloat16, True, seq_len=length - 128)
+  assert short == config_lib.TUNED_BACKWARD[(128, True)] != long_cfg
+  assert config_lib.resolve_backward_config(128, jnp.bfloat16, True, seq_len=length) == long_cfg

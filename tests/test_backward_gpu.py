@@ -1,8 +1,7 @@
 """Gradients on an H200, against the float32 reference's gradients for random cotangents.
 
-D 64 and 128 run the backward kernels; D 256 runs `blockwise` (see `autodiff`), and its
-kernels (the split dK/dV kernel) when asked for with a backward_config, as
-`test_head_dim_256_kernels` does until they join the default.
+Every head dim runs the backward kernels (at D 256: dQ with a one-stage ring and the split
+dK/dV kernel, see `autodiff`).
 """
 
 from __future__ import annotations
@@ -71,11 +70,3 @@ def test_backward_is_deterministic(rng, d):
   first, second = grads(q, k, v, dout), grads(q, k, v, dout)
   for a, b in zip(first, second):
     assert bool(jnp.all(a == b))
-
-
-@pytest.mark.parametrize("t, s, dtype, is_causal", [
-    (1024, 1024, "bfloat16", True), (1023, 4096, "float16", False), (113, 203, "bfloat16", False)])
-def test_head_dim_256_kernels(rng, t, s, dtype, is_causal):
-  """D 256 through dQ (one-stage ring) and the split dK/dV kernel, asked for explicitly."""
-  _check(rng, t, s, "gqa", 256, dtype, is_causal,
-         backward_config=fah.BackwardConfig(dq_num_stages=1))

@@ -75,13 +75,14 @@ def test_jit_of_vmap_of_the_gradient(rng):
     testing.check_gradients([g[i] for g in grads], q[i], k[i], v[i], dout[i], is_causal=True)
 
 
-def test_head_dim_256_gradients_come_from_the_blockwise_backward(rng, monkeypatch):
-  from flash_attn_hopper.kernels import backward as backward_kernel
+def test_head_dim_256_gradients_come_from_the_kernels(rng, monkeypatch):
+  """dQ with a one-stage ring and the split dK/dV kernel; `blockwise` must not run."""
+  from flash_attn_hopper import blockwise
 
-  def no_kernel(*args, **kwargs):
-    raise AssertionError("the backward kernels ran at D 256")
+  def refuse(*args, **kwargs):
+    raise AssertionError("blockwise ran at D 256")
 
-  monkeypatch.setattr(backward_kernel, "attention_backward", no_kernel)
+  monkeypatch.setattr(blockwise, "attention_backward", refuse)
   w = workloads.Workload("gqa_70x150_d256", batch=1, seq_q=70, seq_kv=150, num_q_heads=4,
                          num_kv_heads=2, head_dim=256)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")

@@ -17,6 +17,7 @@ import pytest
 import flash_attn_hopper as fah
 from flash_attn_hopper import api
 from flash_attn_hopper import autodiff
+from flash_attn_hopper import config as config_lib
 
 
 @pytest.fixture
@@ -67,18 +68,16 @@ def test_kernels_lower_for_hopper(feature, d, grad):
   text = _lower(d, grad, **kw)
   kernels = {"fwd"}
   if grad and d in autodiff.KERNEL_BACKWARD_HEAD_DIMS and "bias" not in kw:
-    kernels |= {"dq", "dkv"}  # else the gradient is `blockwise`'s, in XLA
+    # (else the gradient is `blockwise`'s, in XLA)
+    kernels |= {"dq", "dkv_split" if d >= config_lib.SPLIT_DKV_HEAD_DIM else "dkv"}
   for name in kernels:
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
 
 
 @pytest.mark.usefixtures("as_if_on_hopper")
 @pytest.mark.parametrize("feature", [f for f in FEATURES if f != "bias"])
-def test_head_dim_256_backward_kernels_lower_when_asked_for(feature):
-  """D 256's backward kernels (dQ with a one-stage ring, the split dK/dV kernel) run only
-  with an explicit `backward_config` until they have passed on a GPU."""
-  kw = dict(FEATURES[feature])
-  text = _lower(256, True, backward_config=fah.BackwardConfig(dq_num_stages=1), **kw)
+def test_head_dim_256_backward_runs_the_split_kernel(feature):
+  """At D 256 the gradients come from dQ (one-stage ring) and the split dK/dV kernel."""
+  text = _lower(256, True, **dict(FEATURES[feature]))
   for name in ("fwd", "dq", "dkv_split"):
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
-  assert "flash_attn_hopper_dq_mosaic_gpu" not in _lower(256, True, **kw)  # blockwise

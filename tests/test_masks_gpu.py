@@ -100,7 +100,7 @@ def test_soft_cap_forward_and_gradients(rng, d, dtype, is_causal):
 
 @pytest.mark.parametrize("d, is_causal, with_bias", tiered(
     [(128, False, True), (64, True, False), (128, True, False), (64, False, True),
-     (256, True, False)],  # D 256: a mask alone (one-byte tiles), blockwise gradients
+     (256, True, False)],  # D 256: a mask alone (one-byte tiles), split dK/dV
     lambda i, case: i < 2 or case[0] == 256))
 def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
   """With a bias, the gradients come from `blockwise`; a mask alone streams its tiles through

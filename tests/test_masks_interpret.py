@@ -144,7 +144,7 @@ SOFT_CAP_CASES = [
     (200, 200, 64, True, 2.0, dict(scale=0.5)),    # logits well past the cap
     (150, 230, 128, False, 5.0, dict(local_window_size=(40, 40))),
     (140, 140, 64, True, 3.0, dict(segment_ids=jnp.repeat(jnp.arange(4), 35))),
-    (130, 130, 256, True, 2.0, dict(scale=0.3)),   # D 256: the blockwise backward
+    (130, 130, 256, True, 2.0, dict(scale=0.3)),   # D 256: the split dK/dV kernel
 ]
 
 
@@ -177,7 +177,7 @@ BIAS_CASES = [
     (150, 150, 128, False, "both"),
     (130, 200, 64, False, "key padding"),  # (B, 1, 1, S): broadcast over heads and queries
     (300, 320, 64, False, "visible blocks"),
-    (130, 150, 256, True, "mask"),  # D 256: one-byte mask tiles fit; blockwise gradients
+    (130, 150, 256, True, "mask"),  # D 256: one-byte mask tiles fit beside K and V
 ]
 
 
