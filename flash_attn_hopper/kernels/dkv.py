@@ -15,8 +15,9 @@ streams Q, dO, the LSE and δ of every query block of every query head in the KV
 
 With a band, key lengths or segment ids, every step is masked (the keys' ids load with K and
 V, the queries' ids stream with Q), and with segment ids the query blocks that share no
-segment with the tile are skipped. Keys past S and queries past T need no mask: TMA zero-fills their K/V (Q/dO) rows, δ is padded
-with zeros, so they add nothing, and the rows past S are clipped on store.
+segment with the tile are skipped. Keys past S and queries past T need no mask: TMA
+zero-fills their K/V (Q/dO) rows, δ is padded with zeros, so they add nothing, and the rows
+past S are clipped on store.
 """
 
 from __future__ import annotations
@@ -103,13 +104,13 @@ def _bias_q_blocks(masks: common.MaskInputs, opts, batch, head, key0) -> masking
 def _bias_needed(step, tile: _Tile, masks: common.MaskInputs, dims, opts):
   """Whether step `step` streams a bias tile: not where the bias is zero for all the CTA's
   keys (a mask's fully visible block)."""
-  head, q0 = _step_rows(step, tile, dims, opts.config)
+  head, q0 = step_rows(step, tile, dims, opts.config)
   blocks = _bias_q_blocks(masks, opts, tile.batch, head, tile.key0)
   return ~blocks.is_full(q0 // opts.config.block_q)
 
 
-def _step_rows(step, tile: _Tile, dims, cfg):
-  """The query head and query rows of ring step `step`."""
+def step_rows(step, tile: _Tile, dims, cfg):
+  """The query head and query rows of ring step `step` (also `dkv_split`'s)."""
   per_head = jnp.maximum(tile.steps_per_head, 1)  # A tile no query sees runs no step.
   g, j = step // per_head, step % per_head
   head = tile.kv_head * dims.group + g
@@ -143,7 +144,7 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
     segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
     plgpu.barrier_arrive(ids_s.consumed.at[slot])
   if opts.mask.banded or opts.kv_lens or opts.segments:  # Every step: queries may straddle
-    _, q0 = _step_rows(step, tile, dims, cfg)              # the band's or a segment's edges.
+    _, q0 = step_rows(step, tile, dims, cfg)              # the band's or a segment's edges.
     key0 = tile.key0 + wg * cfg.block_kv
     seq_kv = tile.seq_kv if opts.kv_lens else None
     st = masking.apply_element_mask(st, q0, key0, seq_kv, opts.mask, key_axis=0,
@@ -200,12 +201,13 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   plgpu.wait_smem_to_gmem(0)
 
 
-def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
-  """Q, dO, the LSE, δ (and the queries' segment ids) of each step's query block."""
+def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
+  """Q, dO, the LSE, δ (and the queries' segment ids) of each step's query block. Shared
+  with `dkv_split`, whose refs and tiles carry the fields read here under the same names."""
   cfg = opts.config
 
   def rows(step):
-    head, q0 = _step_rows(step, tile, dims, cfg)
+    head, q0 = step_rows(step, tile, dims, cfg)
     return head, pl.ds(q0, cfg.block_q)
 
   def block(ref):
@@ -259,8 +261,8 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
                  bias_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
     tile = _tile(masks, dims, opts)
-    streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
-                       opts)
+    barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
+    streams = query_streams(tile, refs, barriers, dims, opts)
     num_steps = dims.group * tile.steps_per_head
     common.specialize(
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),

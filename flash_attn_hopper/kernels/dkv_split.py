@@ -93,8 +93,8 @@ class _TileLoad(enum.IntEnum):
 
 
 class _Refs(NamedTuple):
-  """Global and shared-memory refs of one CTA. The fields `dkv._streams` reads (the inputs,
-  the rings, `masks`, `q_ids_ring`) carry the same names as `dkv._Refs`'s."""
+  """Global and shared-memory refs of one CTA. The fields `dkv.query_streams` reads (the
+  inputs, the rings, `masks`, `q_ids_ring`) carry the same names as `dkv._Refs`'s."""
   q: object
   k: object
   v: object
@@ -127,7 +127,7 @@ class _PBarriers(NamedTuple):
 
 
 class _Tile(NamedTuple):
-  """One CTA's keys and the query blocks that see them (the fields `dkv._step_rows` reads:
+  """One CTA's keys and the query blocks that see them (the fields `dkv.step_rows` reads:
   kv_head, q_block0, steps_per_head)."""
   batch: jax.Array
   kv_head: jax.Array
@@ -243,13 +243,13 @@ def _mask_stream(tile: _Tile, refs: _Refs, ready, consumed, dims, opts) -> pipel
   _, num_heads, row_blocks, _ = masks.bias_spans.shape
 
   def src(step):
-    head, q0 = dkv_kernel._step_rows(step, tile, dims, cfg)
+    head, q0 = dkv_kernel.step_rows(step, tile, dims, cfg)
     b, h = common.bias_index(tile.batch, head, opts)
     first = (b * num_heads + h) * row_blocks + tile.key0 // BLOCK_KV
     return masks.bias.at[pl.ds(first, 1), pl.ds(0, BLOCK_KV), pl.ds(q0, cfg.block_q)]
 
   def needed(step):
-    head, q0 = dkv_kernel._step_rows(step, tile, dims, cfg)
+    head, q0 = dkv_kernel.step_rows(step, tile, dims, cfg)
     return ~_head_blocks(tile, masks, opts, head).is_full(q0 // cfg.block_q)
   return pipeline.Stream(src, refs.mask_ring, ready, consumed, needed)
 
@@ -267,8 +267,8 @@ def _release(streams, slot):
 
 
 def _split_streams(streams, opts):
-  """(Q, dO, LSE, δ, the queries' ids or None, the mask or None): the order `_streams` builds
-  them in."""
+  """(Q, dO, LSE, δ, the queries' ids or None, the mask or None): the order
+  `dkv.query_streams` builds them in."""
   q_s, do_s, lse_s, delta_s, *extra = streams
   ids_s = extra.pop(0) if opts.segments else None
   return q_s, do_s, lse_s, delta_s, ids_s, (extra.pop(0) if opts.bias else None)
@@ -310,7 +310,7 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
     segments = None
     if opts.segments:
       segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
-    _, q0 = dkv_kernel._step_rows(step, tile, dims, cfg)
+    _, q0 = dkv_kernel.step_rows(step, tile, dims, cfg)
     st = masking.apply_element_mask(st, q0, tile.key0, tile.seq_kv if opts.kv_lens else None,
                                     opts.mask, key_axis=0, segments=segments)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
@@ -430,7 +430,8 @@ def _compute(wg, tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts
 
 def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
   """Q, dO, the LSE, δ (and the queries' ids) as `dkv` streams them, then a mask's tiles."""
-  streams = dkv_kernel._streams(tile, refs, barriers, dims, dataclasses.replace(opts, bias=None))
+  streams = dkv_kernel.query_streams(tile, refs, barriers, dims,
+                                     dataclasses.replace(opts, bias=None))
   if opts.bias:
     streams += (_mask_stream(tile, refs, *barriers[len(streams)], dims, opts),)
   return streams
