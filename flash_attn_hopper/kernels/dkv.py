@@ -36,6 +36,7 @@ from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
+from flash_attn_hopper.kernels import fused_dq
 
 class _Refs(NamedTuple):
   q: object
@@ -57,6 +58,7 @@ class _Refs(NamedTuple):
   k_ids_smem: object = None  # segments: (compute warpgroups, block_kv) int32
   q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
   bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_kv, block_q), Bᵀ
+  fused: fused_dq.Buffers | None = None  # `BackwardConfig.fused_dq`: dQ's buffers
 
 
 class _Tile(NamedTuple):
@@ -160,9 +162,15 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   dpt = common.matmul(v_smem, refs.do_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
   plgpu.barrier_arrive(do_s.consumed.at[slot])
   dst = softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
-  dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
-                                    staging=staging)
+  dst = dst.astype(dims.dtype)
+  dk = accumulate.matmul_accumulate(dk, dst, refs.q_ring.at[slot], staging=staging)
   plgpu.barrier_arrive(q_s.consumed.at[slot])
+  if refs.fused is not None:  # dQ += dS K, from both warpgroups' dSᵀ.
+    head, q0 = step_rows(step, tile, dims, cfg)
+    fused_dq.add_step(dst, step=step, head=head, q0=q0, wg=wg,
+                      tile_index=tile.key0 // (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv),
+                      batch=tile.batch, k_smem=refs.k_smem, buffers=refs.fused, dims=dims,
+                      opts=opts)
   return dk, dv
 
 
@@ -192,6 +200,8 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
   dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
+  if refs.fused is not None:  # The other warpgroup's dQ products read this K tile.
+    fused_dq.finish(refs.fused)
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)
@@ -232,7 +242,8 @@ def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
-  masks, (dk, dv) = common.MaskInputs.split(rest, opts)
+  masks, outs = common.MaskInputs.split(rest, opts)
+  dk, dv, *dq_acc = outs  # (and dQ's float32 accumulator with `fused_dq`)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -253,12 +264,20 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
   num_streams = 4 + bool(opts.segments) + bool(opts.bias)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
+  fused = fused_dq.smem_types(dims, cfg) if cfg.fused_dq else ()
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
              bias_ring, *rest):
+    rest = list(rest)
+    buffers = None
+    if fused:
+      ds_smem, dq_staging, ds_ready = rest[-len(fused):]
+      del rest[-len(fused):]
+      buffers = fused_dq.Buffers(ds_smem, dq_staging, ds_ready, dq_acc[0],
+                                 fused_dq.semaphores(dims, cfg, interpret=opts.interpret))
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
                  delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
-                 bias_ring)
+                 bias_ring, buffers)
     tile_ready, *ring_barriers = rest[len(staging):]
     tile = _tile(masks, dims, opts)
     barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
@@ -268,12 +287,15 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),
         lambda: common.producer(streams, num_steps, stages))
 
-  pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
+  pl.run_scoped(scoped, *scratch, *staging, *barriers, *fused, collective_axes="wg")
 
 
 def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
         segment_ids=None, bias=None):
-  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
+  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`).
+
+  With `opts.config.fused_dq`, also dQ's float32 accumulator (B, T_acc, N, D), unscaled,
+  whose blocks no tile visits are garbage (`fused_dq.finalize` turns it into dQ)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
@@ -285,6 +307,8 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   masks = masks.with_bias(bias, rows=num_kv_tiles * keys, row_block=cfg.block_kv,
                           col_block=cfg.block_q, tiles_are_keys=True)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  if cfg.fused_dq:
+    out_type += (fused_dq.accumulator_type(q, cfg.block_q),)
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
       *masks.arrays(), out_type=out_type,
