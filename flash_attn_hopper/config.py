@@ -181,11 +181,10 @@ class BackwardConfig:
   def fused_dq_smem_bytes(self, head_dim: int, itemsize: int) -> int:
     """The extra shared memory of `fused_dq` (`kernels/fused_dq.py`, whose `smem_types` this
     mirrors): two buffers of both warpgroups' dSᵀ tiles (block_kv × block_q, input dtype),
-    and each warpgroup's float32 (block_q × FUSED_DQ_COLUMNS) part of the dQ partial, staged
-    for TMA."""
+    and the float32 (block_q × D) dQ partial, staged for TMA in parts of FUSED_DQ_COLUMNS."""
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
     ds = FUSED_DQ_DS_BUFFERS * wgs * self.block_kv * self.block_q * itemsize
-    return ds + wgs * self.block_q * FUSED_DQ_COLUMNS * 4
+    return ds + self.block_q * head_dim * 4
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0) -> None:

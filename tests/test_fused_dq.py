@@ -122,7 +122,7 @@ def test_config_checks_name_the_field():
     FUSED.check_fits(256, 2)
   cfg = config_lib.BackwardConfig(block_q=64, block_kv=64, num_stages=2)
   fused = config_lib.BackwardConfig(block_q=64, block_kv=64, num_stages=2, fused_dq=True)
-  extra = 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4  # dSᵀ (two buffers), dQ staging per wg.
+  extra = 2 * 2 * 64 * 64 * 2 + 64 * 128 * 4  # dSᵀ (two buffers), dQ's float32 staging.
   assert fused.smem_bytes(128, 2) == cfg._dkv_smem_bytes(128, 2, False, 0) + extra
   fused.check_fits(128, 2)
   with pytest.raises(ValueError, match="fused_dq adds"):  # Three stages overflow at D 128.
@@ -145,20 +145,33 @@ def as_if_on_hopper(monkeypatch):
   monkeypatch.setattr(api, "on_hopper", lambda: True)
 
 
+#: Configs that fit with fused_dq, per head dim: (block_q, block_kv, num_stages).
+LOWERING_CONFIGS = {64: [(64, 64, 2), (64, 64, 3), (128, 64, 2)], 128: [(64, 64, 2)]}
+LOWERING_FEATURES = {
+    "dense": {},
+    "causal": dict(is_causal=True),
+    "window_lengths": dict(is_causal=True, local_window_size=(300, 0),
+                           key_value_seq_lengths=jnp.array([1024, 130], jnp.int32)),
+    "soft_cap_tail": dict(logits_soft_cap=30.0, t=1000, s=777),
+}
+
+
 @pytest.mark.usefixtures("as_if_on_hopper")
-@pytest.mark.parametrize("is_causal", [False, True], ids=["dense", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_fused_backward_lowers_for_hopper(d, is_causal):
+@pytest.mark.parametrize("feature", list(LOWERING_FEATURES))
+@pytest.mark.parametrize("d, blocks", [(d, b) for d, bs in LOWERING_CONFIGS.items() for b in bs],
+                         ids=str)
+def test_fused_backward_lowers_for_hopper(d, blocks, feature):
   """The whole program lowers for CUDA: the dK/dV kernel (with the TMA reduce-adds and the
   semaphores), no dQ kernel."""
-  q = jax.ShapeDtypeStruct((2, 1024, 8, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 1024, 2, d), jnp.bfloat16)
-  cfg = config_lib.BackwardConfig(block_q=64, block_kv=64, num_stages=2, fused_dq=True)
+  kw = dict(LOWERING_FEATURES[feature])
+  t, s = kw.pop("t", 1024), kw.pop("s", 1024)
+  q = jax.ShapeDtypeStruct((2, t, 8, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, s, 2, d), jnp.bfloat16)
+  cfg = config_lib.BackwardConfig(*blocks, fused_dq=True)
 
   def loss(q, k, v):
     return fah.dot_product_attention(q, k, v, implementation="flash_attn_hopper",
-                                     is_causal=is_causal, backward_config=cfg
-                                     ).astype(jnp.float32).sum()
+                                     backward_config=cfg, **kw).astype(jnp.float32).sum()
 
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()

@@ -52,7 +52,7 @@ from flash_attn_hopper.kernels import common
 
 class Buffers(NamedTuple):
   ds_smem: object   # (FUSED_DQ_DS_BUFFERS, compute warpgroups, block_kv, block_q), input dtype
-  staging: object   # (compute warpgroups, block_q, FUSED_DQ_COLUMNS) float32, for TMA
+  staging: object   # (column parts, block_q, FUSED_DQ_COLUMNS) float32, for TMA
   ds_ready: object  # barrier, one arrival per compute warpgroup: both dSᵀ tiles are stored
   acc: object       # (B, T_acc, N, D) float32 in global memory, T_acc = whole query blocks
   sems: object      # (B · N · query blocks · column parts,) global semaphores, or None
@@ -75,7 +75,8 @@ def smem_types(dims: common.Dims, cfg: config_lib.BackwardConfig) -> tuple:
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   return (common.smem_tile((config_lib.FUSED_DQ_DS_BUFFERS, wgs, cfg.block_kv, cfg.block_q),
                            dims.dtype),
-          common.smem_tile((wgs, cfg.block_q, config_lib.FUSED_DQ_COLUMNS), jnp.float32),
+          common.smem_tile((column_parts(dims.head_dim), cfg.block_q,
+                            config_lib.FUSED_DQ_COLUMNS), jnp.float32),
           plgpu.Barrier(num_arrivals=wgs))
 
 
@@ -117,7 +118,7 @@ def add_step(dst_16, *, step, head, q0, wg, tile_index, batch, k_smem, buffers: 
   plgpu.commit_smem()  # Visible to wgmma (the async proxy).
   plgpu.barrier_arrive(buffers.ds_ready)
   plgpu.barrier_wait(buffers.ds_ready)
-  part_of = functools.partial(_product_and_add, slot=slot, head=head, q0=q0, wg=wg,
+  part_of = functools.partial(_product_and_add, slot=slot, head=head, q0=q0,
                               tile_index=tile_index, batch=batch, k_smem=k_smem,
                               buffers=buffers, dims=dims, opts=opts)
   if column_parts(dims.head_dim) == wgs:
@@ -126,7 +127,7 @@ def add_step(dst_16, *, step, head, q0, wg, tile_index, batch, k_smem, buffers: 
     pl.when(step % wgs == wg)(lambda: part_of(0))
 
 
-def _product_and_add(part, *, slot, head, q0, wg, tile_index, batch, k_smem,
+def _product_and_add(part, *, slot, head, q0, tile_index, batch, k_smem,
                      buffers: Buffers, dims: common.Dims, opts):
   """dQ's column block `part` of one step: (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols], added in order."""
   cfg = opts.config
@@ -149,7 +150,9 @@ def _product_and_add(part, *, slot, head, q0, wg, tile_index, batch, k_smem,
     blocks = pl.cdiv(dims.seq_q, cfg.block_q)
     parts = column_parts(dims.head_dim)
     sem = buffers.sems.at[((batch * dims.num_q_heads + head) * blocks + block) * parts + part]
-  _add_dq_tile(product, buffers.staging.at[wg], dst, sem, rank, interpret=opts.interpret)
+  # A staging tile per part: at D 64 the warpgroups share one, since one starts its turn only
+  # after the other's add landed (it passed the next dSᵀ sync, which the other reaches after).
+  _add_dq_tile(product, buffers.staging.at[part], dst, sem, rank, interpret=opts.interpret)
 
 
 def _add_dq_tile(part, staging, dst, sem, rank, *, interpret: bool):
