@@ -177,3 +177,11 @@ def test_fused_backward_lowers_for_hopper(d, blocks, feature):
       lowering_platforms=("cuda",)).as_text()
   assert "flash_attn_hopper_dkv_mosaic_gpu" in text
   assert "flash_attn_hopper_dq_mosaic_gpu" not in text
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("d", [64, 128])
+def test_blocking_signal_order_lowers_too(d, monkeypatch):
+  """`fused_dq.SIGNAL_AT_NEXT_ADD = False` (signal right after each add, the fallback)."""
+  monkeypatch.setattr(fused_dq, "SIGNAL_AT_NEXT_ADD", False)
+  test_fused_backward_lowers_for_hopper(d, (64, 64, 2), "causal")

@@ -120,8 +120,9 @@ def step_rows(step, tile: _Tile, dims, cfg):
 
 
 def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
-  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None)."""
-  dk, dv = carry
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None).
+  The carry is (dK, dV), and with `fused_dq` the semaphore its dQ add still owes a signal."""
+  dk, dv, *pending = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, *extra = streams  # (and the queries' ids, the bias)
@@ -167,11 +168,11 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   plgpu.barrier_arrive(q_s.consumed.at[slot])
   if refs.fused is not None:  # dQ += dS K, from both warpgroups' dSᵀ.
     head, q0 = step_rows(step, tile, dims, cfg)
-    fused_dq.add_step(dst, step=step, head=head, q0=q0, wg=wg,
-                      tile_index=tile.key0 // (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv),
-                      batch=tile.batch, k_smem=refs.k_smem, buffers=refs.fused, dims=dims,
-                      opts=opts)
-  return dk, dv
+    pending = [fused_dq.add_step(
+        dst, *pending, step=step, head=head, q0=q0, wg=wg,
+        tile_index=tile.key0 // (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv),
+        batch=tile.batch, k_smem=refs.k_smem, buffers=refs.fused, dims=dims, opts=opts)]
+  return (dk, dv, *pending)
 
 
 def _tile_copies(opts) -> int:
@@ -199,9 +200,11 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
-  dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
+  pending = () if refs.fused is None else (jnp.int32(fused_dq.NO_PENDING),)
+  dk, dv, *pending = lax.fori_loop(0, dims.group * tile.steps_per_head, step,
+                                   (zeros, zeros, *pending))
   if refs.fused is not None:  # The other warpgroup's dQ products read this K tile.
-    fused_dq.finish(refs.fused)
+    fused_dq.finish(refs.fused, *pending)
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)

@@ -107,29 +107,58 @@ def first_tile(spec: masking.MaskSpec, q_block, keys: int, block_q: int):
   return jnp.maximum(x // keys + 1, 0)
 
 
-def add_step(dst_16, *, step, head, q0, wg, tile_index, batch, k_smem, buffers: Buffers,
-             dims: common.Dims, opts):
+#: Whether a warpgroup signals an add's semaphore only at its next add (or at the end),
+#: so that the write's round trip to L2 hides under the next step's matmuls instead of
+#: stalling this one; False waits for the write right after issuing it (simplest order, for
+#: a GPU session to compare or fall back to).
+SIGNAL_AT_NEXT_ADD = True
+#: `pending` when no add of the warpgroup awaits its signal.
+NO_PENDING = -1
+
+
+def add_step(dst_16, pending, *, step, head, q0, wg, tile_index, batch, k_smem,
+             buffers: Buffers, dims: common.Dims, opts):
   """This warpgroup's part of one step's dQ: stores its dSᵀ (`dst_16`, input dtype), then
   multiplies both warpgroups' dSᵀ by its columns of K (see the module docstring) and adds the
-  product into the accumulator's rows [q0, q0 + block_q) of query head `head`, in tile order."""
+  product into the accumulator's rows [q0, q0 + block_q) of query head `head`, in tile order.
+
+  `pending` (int32) is the semaphore of this warpgroup's add whose signal is still owed
+  (`SIGNAL_AT_NEXT_ADD`), or NO_PENDING; returns the new one."""
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   slot = step % config_lib.FUSED_DQ_DS_BUFFERS
   buffers.ds_smem.at[slot, wg][...] = dst_16
   plgpu.commit_smem()  # Visible to wgmma (the async proxy).
   plgpu.barrier_arrive(buffers.ds_ready)
   plgpu.barrier_wait(buffers.ds_ready)
-  part_of = functools.partial(_product_and_add, slot=slot, head=head, q0=q0,
+  part_of = functools.partial(_product_and_add, pending=pending, slot=slot, head=head, q0=q0,
                               tile_index=tile_index, batch=batch, k_smem=k_smem,
                               buffers=buffers, dims=dims, opts=opts)
   if column_parts(dims.head_dim) == wgs:
-    part_of(wg)
-  else:  # One part, the warpgroups take turns.
-    pl.when(step % wgs == wg)(lambda: part_of(0))
+    return part_of(wg)
+  mine = step % wgs == wg  # One part, the warpgroups take turns.
+
+  @pl.when(mine)
+  def _turn():
+    part_of(0)
+
+  return jnp.where(mine, _sem_index(head, q0, 0, batch, dims, opts), pending)
 
 
-def _product_and_add(part, *, slot, head, q0, tile_index, batch, k_smem,
+def _sem_index(head, q0, part, batch, dims: common.Dims, opts):
+  """The semaphore of (batch, query head, query block, column part); NO_PENDING when
+  interpreting (no semaphores)."""
+  if opts.interpret:
+    return jnp.int32(NO_PENDING)
+  blocks = pl.cdiv(dims.seq_q, opts.config.block_q)
+  block = q0 // opts.config.block_q
+  return (((batch * dims.num_q_heads + head) * blocks + block) * column_parts(dims.head_dim)
+          + part).astype(jnp.int32)
+
+
+def _product_and_add(part, *, pending, slot, head, q0, tile_index, batch, k_smem,
                      buffers: Buffers, dims: common.Dims, opts):
-  """dQ's column block `part` of one step: (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols], added in order."""
+  """dQ's column block `part` of one step: (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols], added in order.
+  Returns the semaphore now pending (see `add_step`)."""
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   width = config_lib.FUSED_DQ_COLUMNS
@@ -142,32 +171,32 @@ def _product_and_add(part, *, slot, head, q0, tile_index, batch, k_smem,
     return acc_ref[...]
   product = pl.run_scoped(run, plgpu.ACC((cfg.block_q, width), jnp.float32))
 
-  block = q0 // cfg.block_q
-  rank = tile_index - first_tile(opts.mask, block, wgs * cfg.block_kv, cfg.block_q)
+  rank = tile_index - first_tile(opts.mask, q0 // cfg.block_q, wgs * cfg.block_kv,
+                                 cfg.block_q)
   dst = buffers.acc.at[batch, pl.ds(q0, cfg.block_q), head, cols]
-  sem = None
-  if buffers.sems is not None:
-    blocks = pl.cdiv(dims.seq_q, cfg.block_q)
-    parts = column_parts(dims.head_dim)
-    sem = buffers.sems.at[((batch * dims.num_q_heads + head) * blocks + block) * parts + part]
+  sem = _sem_index(head, q0, part, batch, dims, opts)
   # A staging tile per part: at D 64 the warpgroups share one, since one starts its turn only
-  # after the other's add landed (it passed the next dSᵀ sync, which the other reaches after).
-  _add_dq_tile(product, buffers.staging.at[part], dst, sem, rank, interpret=opts.interpret)
+  # after the other's TMA read it (it passed the next dSᵀ sync, which the other reaches after).
+  _add_dq_tile(product, buffers.staging.at[part], dst, buffers.sems, sem, pending, rank,
+               interpret=opts.interpret)
+  return sem
 
 
-def _add_dq_tile(part, staging, dst, sem, rank, *, interpret: bool):
+def _add_dq_tile(part, staging, dst, sems, sem, pending, rank, *, interpret: bool):
   """dst = part (rank 0) or dst += part (rank > 0), after the `rank` earlier tiles' adds.
 
   On the GPU: through `staging` (shared memory) with a TMA store or bulk reduce-add, ordered
-  by the semaphore `sem` (see the module docstring). jax 0.11.2's interpreter has neither
-  semaphores nor TMA reductions, but runs the grid's CTAs one after another in grid order,
-  so there a plain read-modify-write of `dst` is race-free and in the same order; this is
-  the only interpreter-only formulation of this module.
+  by the semaphore `sems[sem]` (see the module docstring); `pending`'s signal is paid first.
+  jax 0.11.2's interpreter has neither semaphores nor TMA reductions, but runs the grid's
+  CTAs one after another in grid order, so there a plain read-modify-write of `dst` is
+  race-free and in the same order; this is the only interpreter-only formulation of this
+  module.
   """
   if interpret:
     pl.when(rank == 0)(lambda: dst.__setitem__(Ellipsis, part))
     pl.when(rank > 0)(lambda: dst.__setitem__(Ellipsis, dst[...] + part))
     return
+  retire(sems, pending)  # (Before waiting on another tile: no wait holds an owed signal.)
   staging[...] = part
   plgpu.commit_smem()  # Visible to TMA.
 
@@ -177,16 +206,31 @@ def _add_dq_tile(part, staging, dst, sem, rank, *, interpret: bool):
 
   @pl.when(rank > 0)
   def _add():
-    plgpu.semaphore_wait(sem, rank, decrement=False, memory_scope="gpu")
+    plgpu.semaphore_wait(sems.at[sem], rank, decrement=False, memory_scope="gpu")
     plgpu.copy_smem_to_gmem(staging, dst, reduction_op="add")
 
-  plgpu.wait_smem_to_gmem(0)  # The write landed (not only read): the next tile may add.
-  plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+  if SIGNAL_AT_NEXT_ADD:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Only the staging tile is free.
+  else:
+    retire(sems, sem)
 
 
-def finish(buffers: Buffers):
-  """Both warpgroups are past their last dQ product, so each may overwrite its K tile (the
-  other's product read it) with dK."""
+def retire(sems, pending):
+  """Waits for this thread's adds to land in global memory (not only to be read), then
+  signals `pending`'s semaphore, if any: the next tile may add."""
+  if sems is None:
+    return
+  plgpu.wait_smem_to_gmem(0)
+  pl.when(pending != NO_PENDING)(
+      lambda: plgpu.semaphore_signal(sems.at[pending], 1, memory_scope="gpu"))
+
+
+def finish(buffers: Buffers, pending):
+  """After the last step: pays the warpgroup's owed signal, and waits until both warpgroups
+  are past their last dQ product, so each may overwrite its K tile (the other's product read
+  it) with dK."""
+  if SIGNAL_AT_NEXT_ADD:
+    retire(buffers.sems, pending)
   plgpu.barrier_arrive(buffers.ds_ready)
   plgpu.barrier_wait(buffers.ds_ready)
 
