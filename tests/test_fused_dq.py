@@ -72,6 +72,21 @@ def test_gradients_match_reference(rng, w, is_causal):
 
 
 @pytest.mark.interpret
+@pytest.mark.usefixtures("no_dq_kernel")
+@pytest.mark.parametrize("d, blocks, is_causal", [
+    (64, (128, 64, 2), False),  # block_q 128: M 128 products, D 64's shared staging tile.
+    (128, (64, 64, 2), True),   # D 128 causal: both warpgroups add a column half each step.
+], ids=str)
+def test_other_blocks(rng, d, blocks, is_causal):
+  w = workloads.Workload("gqa_260x330", batch=1, seq_q=260, seq_kv=330, num_q_heads=4,
+                         num_kv_heads=2, head_dim=d)
+  q, k, v, dout = _inputs(rng, w)
+  cfg = config_lib.BackwardConfig(*blocks, fused_dq=True)
+  grads = _grads(q, k, v, dout, backward_config=cfg, is_causal=is_causal)
+  testing.check_gradients(grads, q, k, v, dout, is_causal=is_causal)
+
+
+@pytest.mark.interpret
 def test_matches_unfused_and_is_deterministic(rng):
   w, is_causal = CASES[1]
   q, k, v, dout = _inputs(rng, w)
