@@ -113,6 +113,20 @@ def test_window_and_key_lengths(rng):
   testing.check_gradients(_grads(q, k, v, dout, **kw), q, k, v, dout, **kw)
 
 
+@pytest.mark.interpret
+@pytest.mark.usefixtures("no_dq_kernel")
+def test_jit_of_vmap_of_the_gradient(rng):
+  """Under vmap the fused kernel runs once per instance (its semaphores are per call)."""
+  w, is_causal = CASES[1]
+  inputs = [_inputs(rng, w) for _ in range(2)]
+  q, k, v, dout = (jnp.stack(xs) for xs in zip(*inputs))
+  grads = jax.jit(jax.vmap(lambda q, k, v, d: _grads(q, k, v, d, is_causal=is_causal)))(
+      q, k, v, dout)
+  for i in range(2):
+    testing.check_gradients([g[i] for g in grads], q[i], k[i], v[i], dout[i],
+                            is_causal=is_causal)
+
+
 @pytest.mark.parametrize("left", [None, 0, 70, 300])
 @pytest.mark.parametrize("offset", [0, -50, 90])
 def test_first_tile_is_the_first_tile_of_the_band(left, offset):

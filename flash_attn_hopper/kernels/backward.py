@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import jax
 from jax import lax
 
 from flash_attn_hopper import config as config_lib
@@ -65,7 +66,10 @@ def _fused_backward(q, k, v, dout, lse_log2, delta, opts: common.BackwardOptions
   if d not in config_lib.FUSED_DQ_HEAD_DIMS:
     raise NotImplementedError(f"BackwardConfig(fused_dq=True) supports head dims "
                               f"{config_lib.FUSED_DQ_HEAD_DIMS}, got {d}; use fused_dq=False")
-  dk, dv, acc = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens)
+  lens = (kv_lens,) if kv_lens is not None else ()
+  dk, dv, acc = _one_call_per_instance(
+      lambda *args: dkv_kernel.dkv(*args[:6], opts, *args[6:]))(
+          q, k, v, dout, lse_log2, delta, *lens)
   cfg = opts.config
   keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
   visited = fused_dq.visited_blocks(
@@ -74,3 +78,21 @@ def _fused_backward(q, k, v, dout, lse_log2, delta, opts: common.BackwardOptions
       kv_lens=kv_lens if opts.kv_lens else None, batch=q.shape[0])
   dq = fused_dq.finalize(acc, visited, seq_q=q.shape[1], scale=opts.scale, dtype=q.dtype)
   return dq, dk, dv
+
+
+def _one_call_per_instance(f):
+  """`f` (arrays in, a tuple of arrays out), which under `jax.vmap` runs once per instance
+  (`lax.map`) instead of as one batched kernel: the fused dQ's semaphores are indexed by
+  (batch, head, query block), not by a vmapped axis, so two instances in one launch would
+  share them and break each other's order (a later tile could add before the first one
+  stores)."""
+  g = jax.custom_batching.custom_vmap(f)
+
+  @g.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = [x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(args, in_batched)]
+    out = lax.map(lambda xs: f(*xs), args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return g

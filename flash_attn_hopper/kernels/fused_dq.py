@@ -18,7 +18,8 @@ The add is ordered, so dQ is deterministic: a global-memory semaphore per (batch
 head, query block, column half) counts the KV tiles that already added. The KV tiles that
 visit query block j are a contiguous run [first_tile(j), …) of the band (`q_block_range`
 is monotone in the tile), so tile t waits for the count t − first_tile(j) (its rank),
-stores (rank 0) or TMA reduce-adds its tile, waits for the write to land and signals +1.
+stores (rank 0) or TMA reduce-adds its tile, and once the write landed signals +1 (at its
+next add or at the end, `SIGNAL_AT_NEXT_ADD`; never while waiting for another tile).
 Tile t only ever waits on lower KV tiles of the same (batch, KV head, other grid indices),
 which have a lower linear CTA index whatever the grid's order, so they were launched
 before it: no deadlock. (dkv's grid is (kv_tile, kv_head, batch): kv_tile is also the
@@ -30,8 +31,8 @@ tile visits (a band or key lengths can leave some) are zeroed by `finalize`.
 
 Not supported (the caller raises): segment ids and a bias/mask (they narrow a tile's query
 blocks by data, so the visiting tiles are no longer a run of the band). Under `jax.vmap`
-the vmapped instances share the semaphores: the sums stay right but their order is not
-fixed.
+the kernel runs once per instance (`backward._one_call_per_instance`): instances batched
+into one launch would share the semaphores.
 """
 
 from __future__ import annotations
