@@ -66,8 +66,8 @@ def _add_grid_options(p: argparse.ArgumentParser):
   g.add_argument("--interpret", action="store_true",
                  help="run our kernel with interpret=True (CPU smoke runs)")
   g.add_argument("--backward-config", metavar="BQ,BKV,STAGES[,DQ_STAGES]", default=None,
-                 help="our op's backward_config for every cell (e.g. 64,64,2,1: D 256's "
-                      "kernels, opt-in until they have run on a GPU)")
+                 help="our op's backward_config for every cell (e.g. 64,64,2,1, the one "
+                      "shape that fits D 256)")
   g.add_argument("--fused-dq", action="store_true",
                  help="our op's backward with BackwardConfig.fused_dq=True (dQ inside the "
                       "dK/dV kernel; D 64 and 128): on --backward-config, else on 64,64,2")

@@ -102,6 +102,21 @@ def test_matches_unfused_and_is_deterministic(rng):
 
 @pytest.mark.interpret
 @pytest.mark.usefixtures("no_dq_kernel")
+@pytest.mark.parametrize("t, s, alignment", [(150, 420, "top_left"),
+                                              (420, 150, "bottom_right")])
+def test_causal_with_tiles_or_queries_that_see_nothing(rng, t, s, alignment):
+  """Causal (tiles run and add last to first) where T ≠ S leaves KV tiles that no query
+  sees (top-left, T < S) or queries that see no key (bottom-right, T > S); T and S are not
+  multiples of the blocks."""
+  w = workloads.Workload(f"gqa_{t}x{s}_d64", batch=1, seq_q=t, seq_kv=s, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v, dout = _inputs(rng, w)
+  kw = dict(is_causal=True, causal_alignment=alignment)
+  testing.check_gradients(_grads(q, k, v, dout, **kw), q, k, v, dout, **kw)
+
+
+@pytest.mark.interpret
+@pytest.mark.usefixtures("no_dq_kernel")
 def test_window_and_key_lengths(rng):
   """A left window (tiles that start past a query block: rank from first_tile) and key
   lengths (tiles past them add nothing; blocks nobody visits come out zero)."""
@@ -142,6 +157,30 @@ def test_first_tile_is_the_first_tile_of_the_band(left, offset):
     if visiting:  # A contiguous run that starts at first_tile.
       assert visiting == list(range(visiting[0], visiting[-1] + 1))
       assert int(fused_dq.first_tile(spec, j, keys, block_q)) == visiting[0]
+
+
+@pytest.mark.parametrize("left", [None, 0, 70, 300])
+@pytest.mark.parametrize("offset", [0, -50, 90, -600])
+@pytest.mark.parametrize("seq_q, seq_kv", [(640, 1024), (600, 1000), (600, 130)])
+def test_ranks_order_the_visiting_tiles(left, offset, seq_q, seq_kv):
+  """`rank` against brute force over `masking.q_block_range` and the tiles with keys: for
+  every query block, the visiting tiles' ranks are 0, 1, … with no gap (a gap would hang
+  the GPU: a tile would wait for an add that never comes), in the order of `tile_of`'s
+  launch (last to first with a causal bound, so a tile waits only on tiles launched
+  before it)."""
+  block_q, keys, tiles = 64, 128, 8
+  for spec in (masking.MaskSpec(is_causal=True, left=left, offset=offset),
+               masking.MaskSpec(is_causal=False, left=left, offset=offset)):
+    launch = [int(fused_dq.tile_of(i, tiles, spec)) for i in range(tiles)]
+    assert sorted(launch) == list(range(tiles))
+    for j in range(-(-seq_q // block_q)):
+      visiting = []
+      for t in launch:
+        r = masking.q_block_range(spec, t * keys, keys, seq_q, block_q)
+        if int(r.first) <= j < int(r.end) and t * keys < seq_kv:
+          visiting.append(t)  # In launch order.
+      ranks = [int(fused_dq.rank(spec, t, j, keys, block_q, seq_q, seq_kv)) for t in visiting]
+      assert ranks == list(range(len(visiting))), (spec, j, visiting, ranks)
 
 
 def test_config_checks_name_the_field():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from flash_attn_hopper import config as config_lib

@@ -70,10 +70,14 @@ class _Tile(NamedTuple):
   seq_kv: jax.Array | int  # the batch element's keys (`key_value_seq_lengths`)
 
 
-def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
+def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions,
+          num_tiles: int) -> _Tile:
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-  key0 = lax.axis_index("kv_tile") * wgs * cfg.block_kv
+  tile = lax.axis_index("kv_tile")
+  if cfg.fused_dq:  # The order of the dQ adds decides the order of the tiles.
+    tile = fused_dq.tile_of(tile, num_tiles, opts.mask)
+  key0 = tile * wgs * cfg.block_kv
   blocks = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("kv_head")
@@ -171,7 +175,8 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
     pending = [fused_dq.add_step(
         dst, *pending, step=step, head=head, q0=q0, wg=wg,
         tile_index=tile.key0 // (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv),
-        batch=tile.batch, k_smem=refs.k_smem, buffers=refs.fused, dims=dims, opts=opts)]
+        batch=tile.batch, seq_kv=tile.seq_kv, k_smem=refs.k_smem, buffers=refs.fused,
+        dims=dims, opts=opts)]
   return (dk, dv, *pending)
 
 
@@ -244,7 +249,7 @@ def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
                (ready, consumed), need in zip(srcs, rings, barriers, needed))
 
 
-def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_kv_tiles: int, opts):
   masks, outs = common.MaskInputs.split(rest, opts)
   dk, dv, *dq_acc = outs  # (and dQ's float32 accumulator with `fused_dq`)
   cfg = opts.config
@@ -282,7 +287,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
                  delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
                  bias_ring, buffers)
     tile_ready, *ring_barriers = rest[len(staging):]
-    tile = _tile(masks, dims, opts)
+    tile = _tile(masks, dims, opts, num_kv_tiles)
     barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
     streams = query_streams(tile, refs, barriers, dims, opts)
     num_steps = dims.group * tile.steps_per_head
@@ -313,8 +318,8 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   if cfg.fused_dq:
     out_type += (fused_dq.accumulator_type(q, cfg.block_q),)
   return common.launch(
-      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      *masks.arrays(), out_type=out_type,
+      functools.partial(_entry, dims=dims, num_kv_tiles=num_kv_tiles, opts=opts),
+      q, k, v, do, lse_log2, delta, *masks.arrays(), out_type=out_type,
       grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
       grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)

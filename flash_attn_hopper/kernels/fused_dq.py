@@ -16,15 +16,22 @@ take turns (step s: warpgroup s % 2 computes all 64 columns). `config.FUSED_DQ_C
 
 The add is ordered, so dQ is deterministic: a global-memory semaphore per (batch, query
 head, query block, column half) counts the KV tiles that already added. The KV tiles that
-visit query block j are a contiguous run [first_tile(j), …) of the band (`q_block_range`
-is monotone in the tile), so tile t waits for the count t − first_tile(j) (its rank),
-stores (rank 0) or TMA reduce-adds its tile, and once the write landed signals +1 (at its
-next add or at the end, `SIGNAL_AT_NEXT_ADD`; never while waiting for another tile).
-Tile t only ever waits on lower KV tiles of the same (batch, KV head, other grid indices),
-which have a lower linear CTA index whatever the grid's order, so they were launched
-before it: no deadlock. (dkv's grid is (kv_tile, kv_head, batch): kv_tile is also the
-fastest-varying index, so the tiles a CTA waits on launched just before it.) The
-semaphores come from `pl.get_global`, which jax 0.11.2 zero-initializes on every call.
+visit query block j are a contiguous run [first_tile(j), last_tile(j)] of the band
+(`q_block_range` is monotone in the tile). Each tile waits for the count of the run's tiles
+that add before it (its `rank`), stores (rank 0) or TMA reduce-adds its tile, and once the
+write landed signals +1 (at its next add or at the end, `SIGNAL_AT_NEXT_ADD`; never while
+waiting for another tile). The order within the run:
+- without a causal bound, first to last: every tile starts at query block 0, so tile t
+  waits for tile t − 1 there once, and then they run one add apart;
+- with one (`reversed_tiles`), last to first: a tile's query blocks start at its diagonal,
+  so the tile nearest block j's diagonal reaches it first, then the next lower one a step
+  or two later. First to last would hold every tile back to tile 0's pace, as slow as no
+  causal skipping at all.
+A tile must only wait on tiles launched before it (else the waiting CTAs can fill the GPU
+while the tiles they wait on cannot start): dkv's grid is (kv_tile, kv_head, batch), whose
+first index varies fastest, and with `reversed_tiles` program i runs tile num_tiles − 1 − i
+(`tile_of`). The semaphores come from `pl.get_global`, which jax 0.11.2 zero-initializes on
+every call.
 
 Rank 0 stores rather than adds, so the accumulator needs no zeroing; the query blocks no
 tile visits (a band or key lengths can leave some) are zeroed by `finalize`.
@@ -108,6 +115,40 @@ def first_tile(spec: masking.MaskSpec, q_block, keys: int, block_q: int):
   return jnp.maximum(x // keys + 1, 0)
 
 
+def reversed_tiles(spec: masking.MaskSpec) -> bool:
+  """Whether the KV tiles run, and add dQ, last to first (see the module docstring): with a
+  causal bound, where a tile's query blocks start at its diagonal."""
+  return spec.upper is not None
+
+
+def tile_of(program, num_tiles: int, spec: masking.MaskSpec):
+  """The KV tile that dK/dV's program `program` (its index along the grid's kv_tile axis)
+  runs: the same, or counted from the last with `reversed_tiles`."""
+  return num_tiles - 1 - program if reversed_tiles(spec) else program
+
+
+def last_tile(spec: masking.MaskSpec, q_block, keys: int, block_q: int, seq_q: int, seq_kv):
+  """The last KV tile (of `keys` keys) whose band (`masking.q_block_range`) contains query
+  block `q_block` and that has keys (`seq_kv`: the batch element's, maybe traced). Tile t's
+  blocks start at max(t·keys − upper − offset, 0) // block_q and are empty from seq_q on, so
+  it reaches the block exactly when t·keys < min((q_block + 1)·block_q, seq_q) + upper +
+  offset."""
+  live = pl.cdiv(seq_kv, keys) - 1
+  if spec.upper is None:
+    return jnp.int32(live)
+  reach = jnp.minimum((q_block + 1) * block_q, seq_q) + spec.upper + spec.offset
+  return jnp.minimum(pl.cdiv(reach, keys) - 1, live)
+
+
+def rank(spec: masking.MaskSpec, tile_index, q_block, keys: int, block_q: int, seq_q: int,
+         seq_kv):
+  """How many of the tiles that visit query block `q_block` add into it before tile
+  `tile_index` does (the order of the module docstring)."""
+  if reversed_tiles(spec):
+    return last_tile(spec, q_block, keys, block_q, seq_q, seq_kv) - tile_index
+  return tile_index - first_tile(spec, q_block, keys, block_q)
+
+
 #: Whether a warpgroup signals an add's semaphore only at its next add (or at the end),
 #: so that the write's round trip to L2 hides under the next step's matmuls instead of
 #: stalling this one; False waits for the write right after issuing it (simplest order, for
@@ -117,7 +158,7 @@ SIGNAL_AT_NEXT_ADD = True
 NO_PENDING = -1
 
 
-def add_step(dst_16, pending, *, step, head, q0, wg, tile_index, batch, k_smem,
+def add_step(dst_16, pending, *, step, head, q0, wg, tile_index, batch, seq_kv, k_smem,
              buffers: Buffers, dims: common.Dims, opts):
   """This warpgroup's part of one step's dQ: stores its dSᵀ (`dst_16`, input dtype), then
   multiplies both warpgroups' dSᵀ by its columns of K (see the module docstring) and adds the
@@ -132,8 +173,8 @@ def add_step(dst_16, pending, *, step, head, q0, wg, tile_index, batch, k_smem,
   plgpu.barrier_arrive(buffers.ds_ready)
   plgpu.barrier_wait(buffers.ds_ready)
   part_of = functools.partial(_product_and_add, pending=pending, slot=slot, head=head, q0=q0,
-                              tile_index=tile_index, batch=batch, k_smem=k_smem,
-                              buffers=buffers, dims=dims, opts=opts)
+                              tile_index=tile_index, batch=batch, seq_kv=seq_kv,
+                              k_smem=k_smem, buffers=buffers, dims=dims, opts=opts)
   if column_parts(dims.head_dim) == wgs:
     return part_of(wg)
   mine = step % wgs == wg  # One part, the warpgroups take turns.
@@ -156,7 +197,7 @@ def _sem_index(head, q0, part, batch, dims: common.Dims, opts):
           + part).astype(jnp.int32)
 
 
-def _product_and_add(part, *, pending, slot, head, q0, tile_index, batch, k_smem,
+def _product_and_add(part, *, pending, slot, head, q0, tile_index, batch, seq_kv, k_smem,
                      buffers: Buffers, dims: common.Dims, opts):
   """dQ's column block `part` of one step: (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols], added in order.
   Returns the semaphore now pending (see `add_step`)."""
@@ -172,13 +213,13 @@ def _product_and_add(part, *, pending, slot, head, q0, tile_index, batch, k_smem
     return acc_ref[...]
   product = pl.run_scoped(run, plgpu.ACC((cfg.block_q, width), jnp.float32))
 
-  rank = tile_index - first_tile(opts.mask, q0 // cfg.block_q, wgs * cfg.block_kv,
-                                 cfg.block_q)
+  order = rank(opts.mask, tile_index, q0 // cfg.block_q, wgs * cfg.block_kv, cfg.block_q,
+               dims.seq_q, seq_kv)
   dst = buffers.acc.at[batch, pl.ds(q0, cfg.block_q), head, cols]
   sem = _sem_index(head, q0, part, batch, dims, opts)
   # A staging tile per part: at D 64 the warpgroups share one, since one starts its turn only
   # after the other's TMA read it (it passed the next dSᵀ sync, which the other reaches after).
-  _add_dq_tile(product, buffers.staging.at[part], dst, buffers.sems, sem, pending, rank,
+  _add_dq_tile(product, buffers.staging.at[part], dst, buffers.sems, sem, pending, order,
                interpret=opts.interpret)
   return sem
 
