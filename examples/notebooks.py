@@ -127,39 +127,32 @@ print(f"{'packed, causal':24s} max error {float(jnp.max(jnp.abs(out.astype(jnp.f
                "ours against cuDNN, measured in the same run. `python -m bench` makes new ones."),
         ("code", SETUP),
         ("code", """\
-import json, collections
+import json
 %matplotlib inline
 import matplotlib.pyplot as plt
-cells = collections.defaultdict(dict)
-for c in json.load(open(os.path.join("..", "bench", "results", "h200_forward.json")))["cells"]:
-    if c["status"] == "ok":
-        cells[c["workload"]["name"]][c["peer"]] = c["tflops"]
-names = sorted(cells, key=lambda n: (("bfloat16" in n), ("causal" in n), int(n.split("_d")[1].split("_")[0]), int(n.split("_t")[1].split("_")[0])))
-fp16 = [n for n in names if n.endswith("_float16")]
-ratios = [cells[n]["ours"] / cells[n]["cudnn"] for n in fp16]
-fig, ax = plt.subplots(figsize=(12, 4))
-ax.bar(range(len(fp16)), ratios, color=["tab:orange" if "causal" in n else "tab:blue" for n in fp16])
-ax.axhline(1.0, color="k", lw=0.8)
-ax.set_xticks(range(len(fp16)), [n.replace("h2048_", "").replace("_float16", "") for n in fp16], rotation=60, ha="right")
-ax.set_ylabel("ours / cuDNN (forward, fp16)"); ax.set_title("H200, B·T = 16k, hidden 2048")
-plt.tight_layout(); plt.show()
-print("geomean ours/cuDNN fp16:", float(np.exp(np.mean(np.log(ratios)))))"""),
+
+def ratio_plot(results, pass_name, dtype, title):
+    \"\"\"Bars of ours / cuDNN per workload of one pass and dtype in bench/results/<results>.\"\"\"
+    cells = {}
+    for c in json.load(open(os.path.join("..", "bench", "results", results)))["cells"]:
+        name = c["workload"]["name"]
+        if c["status"] == "ok" and c["pass_name"] == pass_name and name.endswith("_" + dtype):
+            cells.setdefault(name, {})[c["peer"]] = c["tflops"]
+    names = sorted((n for n in cells if {"ours", "cudnn"} <= set(cells[n])), key=lambda n: (
+        ("causal" in n), int(n.split("_d")[1].split("_")[0]), int(n.split("_t")[1].split("_")[0])))
+    ratios = [cells[n]["ours"] / cells[n]["cudnn"] for n in names]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    ax.bar(range(len(names)), ratios, color=["tab:orange" if "causal" in n else "tab:blue" for n in names])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names)), [n.replace("h2048_", "").replace("_" + dtype, "") for n in names], rotation=60, ha="right")
+    ax.set_ylabel(f"ours / cuDNN ({title})"); ax.set_title("H200, B·T = 16k, hidden 2048")
+    plt.tight_layout(); plt.show()
+    print(f"geomean ours/cuDNN {title}:", float(np.exp(np.mean(np.log(ratios)))))
+
+ratio_plot("h200_forward.json", "fwd", "float16", "forward, fp16")"""),
         ("md", "Forward + backward, bf16 (`h200_backward.json`): our backward kernels at every "
                "head dim."),
-        ("code", """\
-fb = collections.defaultdict(dict)
-for c in json.load(open(os.path.join("..", "bench", "results", "h200_backward.json")))["cells"]:
-    if c["status"] == "ok" and c["pass_name"] == "fwdbwd" and c["workload"]["name"].endswith("_bfloat16"):
-        fb[c["workload"]["name"]][c["peer"]] = c["tflops"]
-bf16 = sorted((n for n in fb if "cudnn" in fb[n]), key=lambda n: (("causal" in n), int(n.split("_d")[1].split("_")[0]), int(n.split("_t")[1].split("_")[0])))
-ratios = [fb[n]["ours"] / fb[n]["cudnn"] for n in bf16]
-fig, ax = plt.subplots(figsize=(12, 4))
-ax.bar(range(len(bf16)), ratios, color=["tab:orange" if "causal" in n else "tab:blue" for n in bf16])
-ax.axhline(1.0, color="k", lw=0.8)
-ax.set_xticks(range(len(bf16)), [n.replace("h2048_", "").replace("_bfloat16", "") for n in bf16], rotation=60, ha="right")
-ax.set_ylabel("ours / cuDNN (fwd+bwd, bf16)"); ax.set_title("H200, B·T = 16k, hidden 2048")
-plt.tight_layout(); plt.show()
-print("geomean ours/cuDNN fwd+bwd bf16:", float(np.exp(np.mean(np.log(ratios)))))"""),
+        ("code", 'ratio_plot("h200_backward.json", "fwdbwd", "bfloat16", "fwd+bwd, bf16")'),
     ],
     "flax": [
         ("md", "# In a flax model\n\n`fah.flax_attention_fn()` is an `attention_fn` for "
