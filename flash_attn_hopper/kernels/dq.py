@@ -177,7 +177,15 @@ def _kv_blocks(tile: _Tile, q0, rows: int, seq_kv, refs: _Refs, opts) -> masking
                                  q0=q0, rows=rows)
 
 
-def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+def _q_tile(num_q_tiles: int, opts):
+  """The grid's query tile, longest first: under a causal bound the last tiles see the most
+  keys, so they run first and the short ones fill the tail (a shortest-first order left the
+  16k causal grid's last wave ~7% long in a list-scheduling model)."""
+  index = lax.axis_index("q_tile")
+  return index if opts.mask.upper is None else num_q_tiles - 1 - index
+
+
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, opts):
   masks, (dq,) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
@@ -206,7 +214,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
                  v_ring, rest[0] if staging else None, masks, q_ids_smem, ids_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
     tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
-                 row0=lax.axis_index("q_tile") * wgs * cfg.block_q)
+                 row0=_q_tile(num_q_tiles, opts) * wgs * cfg.block_q)
     kv_head = tile.head // dims.group
     seq_kv = common.keys_of(tile.batch, masks.kv_lens, dims)
     cta = _kv_blocks(tile, tile.row0, wgs * cfg.block_q, seq_kv, refs, opts)
@@ -246,7 +254,8 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
   masks = masks.with_bias(bias, rows=num_q_tiles * rows, row_block=cfg.block_q,
                           col_block=cfg.block_kv)
   return common.launch(
-      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
+      functools.partial(_entry, dims=dims, num_q_tiles=num_q_tiles, opts=opts), q, k, v, do,
+      lse_log2, delta,
       *masks.arrays(), out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
       name="flash_attn_hopper_dq", interpret=opts.interpret)
