@@ -7,7 +7,6 @@ given explicitly; `resolve` turns the parsed namespace into final values.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 from bench import timing
@@ -68,9 +67,6 @@ def _add_grid_options(p: argparse.ArgumentParser):
   g.add_argument("--backward-config", metavar="BQ,BKV,STAGES[,DQ_STAGES]", default=None,
                  help="our op's backward_config for every cell (e.g. 64,64,2,1, the one "
                       "shape that fits D 256)")
-  g.add_argument("--fused-dq", action="store_true",
-                 help="our op's backward with BackwardConfig.fused_dq=True (dQ inside the "
-                      "dK/dV kernel; D 64 and 128): on --backward-config, else on 64,64,2")
 
 
 def _add_run_options(p: argparse.ArgumentParser):
@@ -116,10 +112,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
       raise SystemExit("--backward-config takes BQ,BKV,STAGES or BQ,BKV,STAGES,DQ_STAGES")
     import flash_attn_hopper  # pylint: disable=import-outside-toplevel
     args.backward_config = flash_attn_hopper.BackwardConfig(*fields)
-  if getattr(args, "fused_dq", False):
-    import flash_attn_hopper  # pylint: disable=import-outside-toplevel
-    args.backward_config = dataclasses.replace(
-        args.backward_config or flash_attn_hopper.BackwardConfig(), fused_dq=True)
   if args.peers is None or args.peers == "all":
     args.peers = PEER_NAMES
   else:

@@ -128,16 +128,6 @@ def test_backward_config_reaches_our_peer():
     options.resolve(p.parse_args(["--backward-config", "64,64"]))
 
 
-def test_fused_dq_flag_reaches_our_peer():
-  import flash_attn_hopper as fah
-  p = options.build_parser("")
-  args = options.resolve(p.parse_args(["--backward-config", "64,64,2", "--fused-dq"]))
-  assert args.backward_config == fah.BackwardConfig(64, 64, 2, fused_dq=True)
-  assert "fused_dq=True" in peers.ours_peer(False, args.backward_config).description
-  args = options.resolve(p.parse_args(["--fused-dq"]))
-  assert args.backward_config == fah.BackwardConfig(fused_dq=True)
-
-
 def test_cli_end_to_end(tmp_path, capsys):
   rc = cli.main(["--peers", "xla", "--seq-lens", "64", "--head-dims", "32", "--dtypes",
                  "float32", "--tokens", "64", "--hidden", "64", "--repeats", "2", "--passes",

@@ -26,16 +26,6 @@ SPLIT_DKV_HEAD_DIM = 256
 #: Bytes of the two float16 Pᵀ slots that kernel hands between its warpgroups, per entry of
 #: a (block_kv, block_q) block.
 SPLIT_DKV_P_SLOT_BYTES = 2 * 2
-#: Head dims of `BackwardConfig.fused_dq` (the two-warpgroup dK/dV kernel's).
-FUSED_DQ_HEAD_DIMS = (64, 128)
-#: `fused_dq` double-buffers the dSᵀ tiles that both warpgroups read, so that one
-#: warpgroup's next dSᵀ never overwrites a tile the other is still multiplying.
-FUSED_DQ_DS_BUFFERS = 2
-#: Columns of dQ one warpgroup computes in a `fused_dq` step: K's tile is the B operand, and
-#: wgmma cannot slice a B operand inside one 128-byte swizzle row (64 16-bit entries). At
-#: D 128 each warpgroup takes one half of the columns every step; at D 64 the warpgroups
-#: take turns, one whole step each.
-FUSED_DQ_COLUMNS = 64
 
 
 def _validate_tiles(cfg) -> None:
@@ -123,10 +113,6 @@ class BackwardConfig:
   #: Stages of the dQ kernel's K/V ring when it must differ from `num_stages` (None: the
   #: same). At D 256 one stage is all that fits beside two warpgroups' Q and dO tiles.
   dq_num_stages: int | None = None
-  #: Opt-in prototype (FA3's five matmuls): no dQ kernel; the dK/dV kernel also computes dQ
-  #: and adds it, in a fixed order per query block, into a float32 accumulator in global
-  #: memory (`kernels/fused_dq.py`). D 64 and 128 only, without segment ids or a bias/mask.
-  fused_dq: bool = False
 
   def __post_init__(self):
     _validate_tiles(self)
@@ -135,8 +121,6 @@ class BackwardConfig:
                                or isinstance(stages, bool) or stages < 1):
       raise ValueError(f"BackwardConfig.dq_num_stages must be None or an int >= 1, got "
                        f"{stages!r}")
-    if not isinstance(self.fused_dq, (bool, np.bool_)):
-      raise ValueError(f"BackwardConfig.fused_dq must be a bool, got {self.fused_dq!r}")
 
   @property
   def dq_stages(self) -> int:
@@ -150,11 +134,7 @@ class BackwardConfig:
     dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring.
     dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
     (With `segments`, each adds its int32 ids: one tile's and a ring's; with a bias, a ring
-    of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)
-    With `fused_dq` there is no dQ kernel: the dK/dV kernel's, plus its dQ buffers."""
-    if self.fused_dq:
-      return (self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes)
-              + self.fused_dq_smem_bytes(head_dim, itemsize))
+    of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)"""
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
     q_rows = wgs * self.block_q
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
@@ -178,20 +158,9 @@ class BackwardConfig:
     bias_ring = self.num_stages * kv_rows * self.block_q * bias_bytes
     return 2 * kv_rows * head_dim * itemsize + ring + p_slots + ids + bias_ring
 
-  def fused_dq_smem_bytes(self, head_dim: int, itemsize: int) -> int:
-    """The extra shared memory of `fused_dq` (`kernels/fused_dq.py`, whose `smem_types` this
-    mirrors): two buffers of both warpgroups' dSᵀ tiles (block_kv × block_q, input dtype),
-    and the float32 (block_q × D) dQ partial, staged for TMA in parts of FUSED_DQ_COLUMNS."""
-    wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-    ds = FUSED_DQ_DS_BUFFERS * wgs * self.block_kv * self.block_q * itemsize
-    return ds + self.block_q * head_dim * 4
-
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
-    if self.fused_dq and head_dim not in FUSED_DQ_HEAD_DIMS:
-      raise ValueError(f"BackwardConfig.fused_dq supports head_dim in {FUSED_DQ_HEAD_DIMS}, "
-                       f"got head_dim={head_dim}; set fused_dq=False")
     if head_dim >= SPLIT_DKV_HEAD_DIM and self.block_kv != hardware.WGMMA_ROWS:
       raise ValueError(
           f"BackwardConfig.block_kv must be {hardware.WGMMA_ROWS} at head_dim={head_dim} (the "
@@ -201,8 +170,7 @@ class BackwardConfig:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
           f"{SMEM_BUDGET}-byte budget; lower BackwardConfig.block_q, block_kv or num_stages, "
-          f"or set dq_num_stages=1 (dQ's ring)"
-          + (" (fused_dq adds its dSᵀ and dQ buffers)" if self.fused_dq else ""))
+          f"or set dq_num_stages=1 (dQ's ring)")
 
 
 # Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by

@@ -36,7 +36,6 @@ from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
-from flash_attn_hopper.kernels import fused_dq
 
 class _Refs(NamedTuple):
   q: object
@@ -58,7 +57,6 @@ class _Refs(NamedTuple):
   k_ids_smem: object = None  # segments: (compute warpgroups, block_kv) int32
   q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
   bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_kv, block_q), Bᵀ
-  fused: fused_dq.Buffers | None = None  # `BackwardConfig.fused_dq`: dQ's buffers
 
 
 class _Tile(NamedTuple):
@@ -70,14 +68,10 @@ class _Tile(NamedTuple):
   seq_kv: jax.Array | int  # the batch element's keys (`key_value_seq_lengths`)
 
 
-def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions,
-          num_tiles: int) -> _Tile:
+def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-  tile = lax.axis_index("kv_tile")
-  if cfg.fused_dq:  # The order of the dQ adds decides the order of the tiles.
-    tile = fused_dq.tile_of(tile, num_tiles, opts.mask)
-  key0 = tile * wgs * cfg.block_kv
+  key0 = lax.axis_index("kv_tile") * wgs * cfg.block_kv
   blocks = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("kv_head")
@@ -124,9 +118,8 @@ def step_rows(step, tile: _Tile, dims, cfg):
 
 
 def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
-  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None).
-  The carry is (dK, dV), and with `fused_dq` the semaphore its dQ add still owes a signal."""
-  dk, dv, *pending = carry
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None)."""
+  dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, *extra = streams  # (and the queries' ids, the bias)
@@ -167,17 +160,10 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
   dpt = common.matmul(v_smem, refs.do_ring.at[slot].T, (cfg.block_kv, cfg.block_q))
   plgpu.barrier_arrive(do_s.consumed.at[slot])
   dst = softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
-  dst = dst.astype(dims.dtype)
-  dk = accumulate.matmul_accumulate(dk, dst, refs.q_ring.at[slot], staging=staging)
+  dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
+                                    staging=staging)
   plgpu.barrier_arrive(q_s.consumed.at[slot])
-  if refs.fused is not None:  # dQ += dS K, from both warpgroups' dSᵀ.
-    head, q0 = step_rows(step, tile, dims, cfg)
-    pending = [fused_dq.add_step(
-        dst, *pending, step=step, head=head, q0=q0, wg=wg,
-        tile_index=tile.key0 // (pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv),
-        batch=tile.batch, seq_kv=tile.seq_kv, k_smem=refs.k_smem, buffers=refs.fused,
-        dims=dims, opts=opts)]
-  return (dk, dv, *pending)
+  return dk, dv
 
 
 def _tile_copies(opts) -> int:
@@ -205,11 +191,7 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
-  pending = () if refs.fused is None else (jnp.int32(fused_dq.NO_PENDING),)
-  dk, dv, *pending = lax.fori_loop(0, dims.group * tile.steps_per_head, step,
-                                   (zeros, zeros, *pending))
-  if refs.fused is not None:  # The other warpgroup's dQ products read this K tile.
-    fused_dq.finish(refs.fused, *pending)
+  dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)
@@ -249,9 +231,8 @@ def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
                (ready, consumed), need in zip(srcs, rings, barriers, needed))
 
 
-def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_kv_tiles: int, opts):
-  masks, outs = common.MaskInputs.split(rest, opts)
-  dk, dv, *dq_acc = outs  # (and dQ's float32 accumulator with `fused_dq`)
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+  masks, (dk, dv) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -272,22 +253,14 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_kv_tiles: int,
   num_streams = 4 + bool(opts.segments) + bool(opts.bias)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
-  fused = fused_dq.smem_types(dims, cfg) if cfg.fused_dq else ()
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
              bias_ring, *rest):
-    rest = list(rest)
-    buffers = None
-    if fused:
-      ds_smem, dq_staging, ds_ready = rest[-len(fused):]
-      del rest[-len(fused):]
-      buffers = fused_dq.Buffers(ds_smem, dq_staging, ds_ready, dq_acc[0],
-                                 fused_dq.semaphores(dims, cfg, interpret=opts.interpret))
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
                  delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
-                 bias_ring, buffers)
+                 bias_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
-    tile = _tile(masks, dims, opts, num_kv_tiles)
+    tile = _tile(masks, dims, opts)
     barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
     streams = query_streams(tile, refs, barriers, dims, opts)
     num_steps = dims.group * tile.steps_per_head
@@ -295,15 +268,12 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_kv_tiles: int,
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),
         lambda: common.producer(streams, num_steps, stages))
 
-  pl.run_scoped(scoped, *scratch, *staging, *barriers, *fused, collective_axes="wg")
+  pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
 
 def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
         segment_ids=None, bias=None):
-  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`).
-
-  With `opts.config.fused_dq`, also dQ's float32 accumulator (B, T_acc, N, D), unscaled,
-  whose blocks no tile visits are garbage (`fused_dq.finalize` turns it into dQ)."""
+  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
@@ -315,11 +285,9 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   masks = masks.with_bias(bias, rows=num_kv_tiles * keys, row_block=cfg.block_kv,
                           col_block=cfg.block_q, tiles_are_keys=True)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-  if cfg.fused_dq:
-    out_type += (fused_dq.accumulator_type(q, cfg.block_q),)
   return common.launch(
-      functools.partial(_entry, dims=dims, num_kv_tiles=num_kv_tiles, opts=opts),
-      q, k, v, do, lse_log2, delta, *masks.arrays(), out_type=out_type,
+      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
+      *masks.arrays(), out_type=out_type,
       grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
       grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)
