@@ -27,6 +27,7 @@ kernels, in O(T·S / block²)), which the kernels intersect with the band's `Blo
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 from typing import NamedTuple
 
@@ -229,19 +230,49 @@ def segment_spans(row_ids, col_ids, row_block: int, col_block: int):
   return _spans(may, full)
 
 
-def mask_spans(visible, free, row_block: int, col_block: int):
-  """For each block of rows of (..., rows, cols) booleans, `visible` (the entries a bias or
-  mask leaves visible) and `free` (those where it changes nothing: a zero bias, a True
-  mask), the blocks of columns that hold any visible entry and the first run of blocks free
-  throughout: (..., row blocks, 4) int32 as `segment_spans` gives. The kernels stream no
-  bias tile for that run."""
+#: The block table's granule (`mask_block_table`): every kernel's row and column blocks are
+#: multiples of it, so the forward, dQ and dK/dV kernels all pool their spans from one table,
+#: which XLA computes once per program (common subexpression) instead of once per kernel.
+MASK_GRANULE = 64
+
+
+def mask_block_table(visible, free, granule: int = MASK_GRANULE):
+  """One pass over (..., rows, cols) booleans, `visible` (the entries a bias or mask leaves
+  visible) and `free` (those where it changes nothing: a zero bias, a True mask): per
+  granule × granule block, whether any entry is visible and whether all are free,
+  (..., ⌈rows/g⌉, ⌈cols/g⌉) each. Padding is neither, so an edge block is never free."""
   *lead, rows, cols = visible.shape
-  nr, nc = _cdiv(rows, row_block), _cdiv(cols, col_block)
-  # Padding is neither: an edge block is never free, so it keeps its tile.
-  tiles = lambda x: jnp.pad(x, [(0, 0)] * len(lead) + [(0, nr * row_block - rows),
-                                                       (0, nc * col_block - cols)]
-                            ).reshape(*lead, nr, row_block, nc, col_block)
-  return _spans(tiles(visible).any(axis=(-3, -1)), tiles(free).all(axis=(-3, -1)))
+  nr, nc = _cdiv(rows, granule), _cdiv(cols, granule)
+  pad = [(0, 0)] * len(lead) + [(0, nr * granule - rows), (0, nc * granule - cols)]
+  blocks = lambda x: jnp.pad(x, pad).reshape(*lead, nr, granule, nc, granule)
+  return blocks(visible).any(axis=(-3, -1)), blocks(free).all(axis=(-3, -1))
+
+
+def table_spans(table, row_block: int, col_block: int, num_row_blocks: int,
+                granule: int = MASK_GRANULE):
+  """A kernel's spans from a `mask_block_table` (its rows being the kernel's rows: transpose
+  the table for the dK/dV kernel): per block of `row_block` rows, of `num_row_blocks`, the
+  blocks of `col_block` columns that hold any visible entry and the first run of blocks free
+  throughout, (..., num_row_blocks, 4) int32 as `segment_spans` gives. The kernels stream no
+  bias tile for that run."""
+  may, full = table
+  if row_block % granule or col_block % granule:
+    raise ValueError(f"blocks ({row_block}, {col_block}) must be multiples of the mask "
+                     f"table's granule {granule}")
+  rf, cf = row_block // granule, col_block // granule
+  *lead, nr, nc = may.shape
+  ncb = _cdiv(nc, cf)
+  pad = [(0, 0)] * len(lead) + [(0, num_row_blocks * rf - nr), (0, ncb * cf - nc)]
+  blocks = lambda x: jnp.pad(x, pad).reshape(*lead, num_row_blocks, rf, ncb, cf)
+  return _spans(blocks(may).any(axis=(-3, -1)), blocks(full).all(axis=(-3, -1)))
+
+
+def mask_spans(visible, free, row_block: int, col_block: int):
+  """`table_spans` of (..., rows, cols) booleans straight from `visible` and `free` (see
+  `mask_block_table`), with as many row blocks as the rows need."""
+  granule = math.gcd(MASK_GRANULE, row_block, col_block)
+  table = mask_block_table(visible, free, granule)
+  return table_spans(table, row_block, col_block, _cdiv(visible.shape[-2], row_block), granule)
 
 
 def _spans(may, full):

@@ -164,3 +164,47 @@ def test_idle_window_edges_drop_without_changing_what_is_visible(t, s, offset):
           assert lean.left is None
         if right is not None and right >= t + s:
           assert lean.right is None
+
+
+def _brute_force_mask_spans(visible, free, row_block, col_block, num_row_blocks):
+  """[first, full_lo, full_hi, end] per row block, entry by entry (padding is neither)."""
+  rows, cols = visible.shape
+  ncb = -(-cols // col_block)
+  vis = np.zeros((num_row_blocks * row_block, ncb * col_block), bool)
+  fre = np.zeros_like(vis)
+  vis[:rows, :cols], fre[:rows, :cols] = visible, free
+  out = []
+  for i in range(num_row_blocks):
+    rs = slice(i * row_block, (i + 1) * row_block)
+    may = [vis[rs, j * col_block:(j + 1) * col_block].any() for j in range(ncb)]
+    full = [fre[rs, j * col_block:(j + 1) * col_block].all() for j in range(ncb)]
+    hits = [j for j in range(ncb) if may[j]]
+    first, end = (hits[0], hits[-1] + 1) if hits else (0, 0)
+    lo = next((j for j in range(ncb) if full[j]), first)
+    hi = next((j for j in range(lo, ncb) if not full[j]), ncb)
+    lo = min(max(lo, first), end)
+    out.append((first, lo, min(max(hi, lo), end), end))
+  return np.array(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 300), cols=st.integers(1, 300),
+       row_block=st.sampled_from([64, 128]), col_block=st.sampled_from([64, 128, 256]),
+       transpose=st.booleans())
+def test_table_spans_match_brute_force(data, rows, cols, row_block, col_block, transpose):
+  """Spans pooled from the 64 × 64 block table (transposed for the dK/dV kernel's key rows)
+  equal spans read entry by entry, for masks with runs of visible and of free blocks."""
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+  # Coarse random structure (runs), then sparse holes, so full and partial blocks both occur.
+  coarse = rng.random((-(-rows // 32), -(-cols // 32))) < data.draw(st.floats(0.2, 1.0))
+  visible = np.kron(coarse, np.ones((32, 32), bool))[:rows, :cols]
+  visible &= rng.random((rows, cols)) > data.draw(st.sampled_from([0.0, 0.001, 0.05]))
+  free = visible & (rng.random((rows, cols)) > data.draw(st.sampled_from([0.0, 0.01])))
+  table = masking.mask_block_table(visible, free)
+  if transpose:
+    table = tuple(x.T for x in table)
+    visible, free = visible.T, free.T
+  num_row_blocks = -(-visible.shape[0] // row_block) + data.draw(st.integers(0, 1))
+  got = masking.table_spans(table, row_block, col_block, num_row_blocks)
+  want = _brute_force_mask_spans(visible, free, row_block, col_block, num_row_blocks)
+  np.testing.assert_array_equal(np.asarray(got), want)

@@ -119,7 +119,7 @@ class MaskInputs(NamedTuple):
   of the tiles' segments (`masking.segment_spans`, rows of whatever the kernel tiles), and
   a bias of the scaled logits, (B|1 · N|1 · T/block_q, block_q, S) in the inputs' dtype (see
   `with_bias`), with the spans of the blocks its −inf entries leave visible
-  (`masking.mask_spans`, (B|1, N|1, T/block_q, 4))."""
+  (`masking.table_spans`, (B|1, N|1, T/block_q, 4))."""
   kv_lens: object = None
   q_ids: object = None
   kv_ids: object = None
@@ -164,15 +164,17 @@ class MaskInputs(NamedTuple):
     leave."""
     if bias is None:
       return self
-    if tiles_are_keys:
-      bias = jnp.swapaxes(bias, 2, 3)
-    bb, nb, r, c = bias.shape
     is_mask = bias.dtype == jnp.uint8  # A mask alone (see `AttentionOptions.bias_is_mask`).
+    visible = bias != 0 if is_mask else bias > -jnp.inf
+    # The table of the untransposed bias, the same expression in every kernel of a program:
+    # XLA reads the (T, S) bias for it once, not once per kernel.
+    may, full = masking.mask_block_table(visible, visible if is_mask else bias == 0)
+    if tiles_are_keys:
+      bias, may, full = (jnp.swapaxes(x, -2, -1) for x in (bias, may, full))
+    bb, nb, r, c = bias.shape
+    spans = masking.table_spans((may, full), row_block, col_block, rows // row_block)
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)),
                    constant_values=0 if is_mask else -jnp.inf)
-    visible = bias != 0 if is_mask else bias > -jnp.inf
-    spans = masking.mask_spans(visible, visible if is_mask else bias == 0, row_block,
-                               col_block)
     return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, c),
                          bias_spans=spans)
 
