@@ -27,7 +27,6 @@ kernels, in O(T·S / block²)), which the kernels intersect with the band's `Blo
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 from typing import NamedTuple
 
@@ -230,39 +229,32 @@ def segment_spans(row_ids, col_ids, row_block: int, col_block: int):
   return _spans(may, full)
 
 
-#: The block table's granule (`mask_block_table`): every kernel's row and column blocks are
-#: multiples of it, so the forward, dQ and dK/dV kernels all pool their spans from one table,
-#: which XLA computes once per program (common subexpression) instead of once per kernel.
-MASK_GRANULE = 64
-
-
-def mask_block_table(visible, free, granule: int = MASK_GRANULE):
+def mask_block_table(visible, free, row_granule: int, col_granule: int):
   """One pass over (..., rows, cols) booleans, `visible` (the entries a bias or mask leaves
   visible) and `free` (those where it changes nothing: a zero bias, a True mask): per
-  granule × granule block, whether any entry is visible and whether all are free,
-  (..., ⌈rows/g⌉, ⌈cols/g⌉) each. Padding is neither, so an edge block is never free."""
+  row_granule × col_granule block, whether any entry is visible and whether all are free,
+  (..., ⌈rows/rg⌉, ⌈cols/cg⌉) each. Padding is neither, so an edge block is never free."""
   *lead, rows, cols = visible.shape
-  nr, nc = _cdiv(rows, granule), _cdiv(cols, granule)
-  pad = [(0, 0)] * len(lead) + [(0, nr * granule - rows), (0, nc * granule - cols)]
-  blocks = lambda x: jnp.pad(x, pad).reshape(*lead, nr, granule, nc, granule)
-  # Along the contiguous columns first, then the rows: two reductions XLA runs at memory
-  # speed, where one over both strided axes took 0.41 ms for a 16k × 16k mask on an H200.
+  nr, nc = _cdiv(rows, row_granule), _cdiv(cols, col_granule)
+  pad = [(0, 0)] * len(lead) + [(0, nr * row_granule - rows), (0, nc * col_granule - cols)]
+  blocks = lambda x: jnp.pad(x, pad).reshape(*lead, nr, row_granule, nc, col_granule)
+  # Along the contiguous columns first, then the rows.
   return (blocks(visible).any(axis=-1).any(axis=-2),
           blocks(free).all(axis=-1).all(axis=-2))
 
 
 def table_spans(table, row_block: int, col_block: int, num_row_blocks: int,
-                granule: int = MASK_GRANULE):
-  """A kernel's spans from a `mask_block_table` (its rows being the kernel's rows: transpose
-  the table for the dK/dV kernel): per block of `row_block` rows, of `num_row_blocks`, the
-  blocks of `col_block` columns that hold any visible entry and the first run of blocks free
-  throughout, (..., num_row_blocks, 4) int32 as `segment_spans` gives. The kernels stream no
-  bias tile for that run."""
+                granule: tuple[int, int]):
+  """A kernel's spans from a `mask_block_table` of (row, column) `granule` (its rows being
+  the kernel's rows: transpose the table for the dK/dV kernel): per block of `row_block`
+  rows, of `num_row_blocks`, the blocks of `col_block` columns that hold any visible entry
+  and the first run of blocks free throughout, (..., num_row_blocks, 4) int32 as
+  `segment_spans` gives. The kernels stream no bias tile for that run."""
   may, full = table
-  if row_block % granule or col_block % granule:
+  if row_block % granule[0] or col_block % granule[1]:
     raise ValueError(f"blocks ({row_block}, {col_block}) must be multiples of the mask "
                      f"table's granule {granule}")
-  rf, cf = row_block // granule, col_block // granule
+  rf, cf = row_block // granule[0], col_block // granule[1]
   *lead, nr, nc = may.shape
   ncb = _cdiv(nc, cf)
   pad = [(0, 0)] * len(lead) + [(0, num_row_blocks * rf - nr), (0, ncb * cf - nc)]
@@ -273,9 +265,9 @@ def table_spans(table, row_block: int, col_block: int, num_row_blocks: int,
 def mask_spans(visible, free, row_block: int, col_block: int):
   """`table_spans` of (..., rows, cols) booleans straight from `visible` and `free` (see
   `mask_block_table`), with as many row blocks as the rows need."""
-  granule = math.gcd(MASK_GRANULE, row_block, col_block)
-  table = mask_block_table(visible, free, granule)
-  return table_spans(table, row_block, col_block, _cdiv(visible.shape[-2], row_block), granule)
+  table = mask_block_table(visible, free, row_block, col_block)
+  return table_spans(table, row_block, col_block, _cdiv(visible.shape[-2], row_block),
+                     (row_block, col_block))
 
 
 def _spans(may, full):
