@@ -1,0 +1,87 @@
+"""Per-kernel device time of the op's programs (CUPTI), to see where a pass's time goes:
+`python -m bench.breakdown [--case mask|causal|all] [--repeats 5]`.
+
+- `mask`: an all-True (T, S) `mask` at T = 16k (B 1, 16 query heads over 4, D 128, bf16)
+  against no mask, forward and fwd+bwd: the XLA fusions that prepare the mask (its one-byte
+  copy, the block tables) beside the kernels;
+- `causal`: fwd+bwd causal and not, D 64 and 128 at T 4k and 16k (B·T = 16k, hidden 2048):
+  the forward, dQ and dK/dV kernels' shares.
+
+Each line is one kernel's median over the repeats; the total is the median of the sums.
+Needs a GPU (CUPTI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+import flash_attn_hopper as fah
+
+
+def breakdown(name: str, fn, *args, repeats: int = 5) -> None:
+  """Prints `fn`'s total device time and each kernel's over 5 µs, medians of `repeats`."""
+  fn = jax.jit(fn)
+  jax.block_until_ready(fn(*args))
+  _, runs = profiler.measure(fn, aggregate=False, iterations=repeats)(*args)
+  per_kernel = collections.defaultdict(list)
+  for run in runs:
+    seen = collections.Counter()
+    for kernel, ms in run:
+      seen[kernel] += 1
+      per_kernel[(kernel, seen[kernel])].append(ms)
+  median = lambda xs: sorted(xs)[len(xs) // 2]
+  print(f"== {name}: total {median([sum(ms for _, ms in run) for run in runs]):.3f} ms")
+  for (kernel, i), times in per_kernel.items():
+    if median(times) > 0.005:
+      print(f"   {median(times):8.3f}  {kernel[:90]}{'' if i == 1 else f' #{i}'}", flush=True)
+
+
+def _inputs(rng, t: int, heads: int, kv_heads: int, d: int, batch: int = 1):
+  make = lambda h: jnp.asarray(rng.standard_normal((batch, t, h, d)), jnp.bfloat16)
+  return make(heads), make(kv_heads), make(kv_heads), make(heads)
+
+
+def _program(pass_name: str, **kw):
+  """The timed function of (q, k, v, dout[, mask]) for 'fwd' or 'fwdbwd'."""
+  attn = lambda q, k, v, m=None: fah.dot_product_attention(
+      q, k, v, **(kw if m is None else dict(kw, mask=m)))
+  if pass_name == "fwd":
+    return lambda q, k, v, do, *m: attn(q, k, v, *m)
+
+  def fwd_bwd(q, k, v, do, *m):
+    out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, *m), q, k, v)
+    return out, vjp(do)
+  return fwd_bwd
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--case", default="all", choices=("mask", "causal", "all"))
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args()
+  rng = np.random.default_rng(0)
+  run = lambda name, fn, *a: breakdown(name, fn, *a, repeats=args.repeats)
+  if args.case in ("mask", "all"):
+    t = 16384
+    qkv = _inputs(rng, t, 16, 4, 128)
+    mask = jnp.ones((t, t), bool)
+    for pass_name in ("fwd", "fwdbwd"):
+      run(f"all-True mask {pass_name}", _program(pass_name), *qkv, mask)
+      run(f"no mask {pass_name}", _program(pass_name), *qkv)
+  if args.case in ("causal", "all"):
+    for t in (16384, 4096):
+      for d in (128, 64):
+        qkv = _inputs(rng, t, 2048 // d, 2048 // d, d, batch=16384 // t)
+        for causal in (True, False):
+          run(f"fwdbwd D{d} T{t} causal={causal}", _program("fwdbwd", is_causal=causal), *qkv)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
