@@ -177,7 +177,7 @@ class BlockRange(NamedTuple):
 
   @classmethod
   def read(cls, spans_ref, *index) -> "BlockRange":
-    """One row of a `segment_spans` / `mask_spans` array in a kernel: `index` is
+    """One row of a `segment_spans` / `table_spans` array in a kernel: `index` is
     (batch, block), or (batch, head, block) for a mask's."""
     return cls(*(spans_ref[(*index, i)] for i in range(4)))
 
@@ -260,14 +260,6 @@ def table_spans(table, row_block: int, col_block: int, num_row_blocks: int,
   pad = [(0, 0)] * len(lead) + [(0, num_row_blocks * rf - nr), (0, ncb * cf - nc)]
   blocks = lambda x: jnp.pad(x, pad).reshape(*lead, num_row_blocks, rf, ncb, cf)
   return _spans(blocks(may).any(axis=(-3, -1)), blocks(full).all(axis=(-3, -1)))
-
-
-def mask_spans(visible, free, row_block: int, col_block: int):
-  """`table_spans` of (..., rows, cols) booleans straight from `visible` and `free` (see
-  `mask_block_table`), with as many row blocks as the rows need."""
-  table = mask_block_table(visible, free, row_block, col_block)
-  return table_spans(table, row_block, col_block, _cdiv(visible.shape[-2], row_block),
-                     (row_block, col_block))
 
 
 def _spans(may, full):
