@@ -165,7 +165,15 @@ def _bias_cases(rng, t, s, name):
   # Causal as a mask, shifted, with the last keys cut: blocks fully visible (no bias tile
   # streamed), blocks on the edge, and blocks skipped.
   shifted = (np.arange(s)[None, :] <= np.arange(t)[:, None] + 10) & (np.arange(s) < s - 30)
+  # Only the first and the last 64 query rows carry a bias / hide keys: the blocks between
+  # are free, and under causal a KV tile past the first starts its query blocks past 0, so
+  # the dK/dV kernel's free run is offset within its steps (and a stale or skipped tile
+  # would show).
+  edge_rows = (np.arange(t) < 64) | (np.arange(t) >= t - 64)
+  edge_bias = jnp.where(jnp.asarray(edge_rows)[:, None], bias[:1, :1], 0.0)
+  edge_mask = ~jnp.asarray(edge_rows)[:, None] | jnp.asarray(rng.random((t, s)) > 0.3)
   return {"bias": dict(bias=bias), "mask": dict(mask=mask),
+          "edge rows bias": dict(bias=edge_bias), "edge rows mask": dict(mask=edge_mask),
           "both": dict(bias=bias, mask=mask), "key padding": dict(mask=padding),
           "visible blocks": dict(mask=jnp.asarray(shifted)[None, None])}[name]
 
@@ -177,6 +185,8 @@ BIAS_CASES = [
     (150, 150, 128, False, "both"),
     (130, 200, 64, False, "key padding"),  # (B, 1, 1, S): broadcast over heads and queries
     (300, 320, 64, False, "visible blocks"),
+    (320, 320, 64, True, "edge rows bias"),
+    (320, 320, 64, True, "edge rows mask"),
     (130, 150, 256, True, "mask"),  # D 256: one-byte mask tiles fit beside K and V
 ]
 
