@@ -243,23 +243,15 @@ def mask_block_table(visible, free, row_granule: int, col_granule: int):
           blocks(free).all(axis=-1).all(axis=-2))
 
 
-def table_spans(table, row_block: int, col_block: int, num_row_blocks: int,
-                granule: tuple[int, int]):
-  """A kernel's spans from a `mask_block_table` of (row, column) `granule` (its rows being
-  the kernel's rows: transpose the table for the dK/dV kernel): per block of `row_block`
-  rows, of `num_row_blocks`, the blocks of `col_block` columns that hold any visible entry
-  and the first run of blocks free throughout, (..., num_row_blocks, 4) int32 as
-  `segment_spans` gives. The kernels stream no bias tile for that run."""
+def table_spans(table, num_row_blocks: int):
+  """A kernel's spans from a `mask_block_table` taken at its (row, column) blocks (transposed
+  for the dK/dV kernel, whose rows are keys): per block of rows, of `num_row_blocks` (the
+  ones past the table's are neither visible nor free), the blocks of columns that hold any
+  visible entry and the first run of blocks free throughout, (..., num_row_blocks, 4) int32
+  as `segment_spans` gives. The kernels stream no bias tile for that run."""
   may, full = table
-  if row_block % granule[0] or col_block % granule[1]:
-    raise ValueError(f"blocks ({row_block}, {col_block}) must be multiples of the mask "
-                     f"table's granule {granule}")
-  rf, cf = row_block // granule[0], col_block // granule[1]
-  *lead, nr, nc = may.shape
-  ncb = _cdiv(nc, cf)
-  pad = [(0, 0)] * len(lead) + [(0, num_row_blocks * rf - nr), (0, ncb * cf - nc)]
-  blocks = lambda x: jnp.pad(x, pad).reshape(*lead, num_row_blocks, rf, ncb, cf)
-  return _spans(blocks(may).any(axis=(-3, -1)), blocks(full).all(axis=(-3, -1)))
+  pad = [(0, 0)] * (may.ndim - 2) + [(0, num_row_blocks - may.shape[-2]), (0, 0)]
+  return _spans(jnp.pad(may, pad), jnp.pad(full, pad))
 
 
 def _spans(may, full):

@@ -174,8 +174,7 @@ class MaskInputs(NamedTuple):
     if tiles_are_keys:
       bias, may, full = (jnp.swapaxes(x, -2, -1) for x in (bias, may, full))
     bb, nb, r, c = bias.shape
-    spans = masking.table_spans((may, full), row_block, col_block, rows // row_block,
-                                (row_block, col_block))
+    spans = masking.table_spans((may, full), rows // row_block)
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)),
                    constant_values=0 if is_mask else -jnp.inf)
     return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, c),
