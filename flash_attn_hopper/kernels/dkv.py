@@ -109,6 +109,26 @@ def _bias_needed(step, tile: _Tile, masks: common.MaskInputs, dims, opts):
   return ~blocks.is_full(q0 // opts.config.block_q)
 
 
+def _walk_steps(step, tile: _Tile, masks: common.MaskInputs, dims, opts, carry):
+  """The CTA's steps with a bias, query head by query head: each head's run of blocks that
+  the bias leaves free for all the CTA's keys (the producer streams no tile for them, see
+  `_bias_needed`) runs without reading or adding a tile, the blocks before and after it
+  with one. The same steps, in the same order, as one loop over all of them."""
+  per_head = tile.steps_per_head
+
+  def head_run(g, carry):
+    head = tile.kv_head * dims.group + g
+    free = _bias_q_blocks(masks, opts, tile.batch, head, tile.key0)
+    lo = jnp.clip(free.full_lo - tile.q_block0, 0, per_head)
+    hi = jnp.clip(free.full_hi - tile.q_block0, lo, per_head)
+    base = g * per_head
+    for first, end, biased in ((0, lo, True), (lo, hi, False), (hi, per_head, True)):
+      carry = lax.fori_loop(base + first, base + end, functools.partial(step, biased=biased),
+                            carry)
+    return carry
+  return lax.fori_loop(0, dims.group, head_run, carry)
+
+
 def step_rows(step, tile: _Tile, dims, cfg):
   """The query head and query rows of ring step `step` (also `dkv_split`'s)."""
   per_head = jnp.maximum(tile.steps_per_head, 1)  # A tile no query sees runs no step.
@@ -117,8 +137,10 @@ def step_rows(step, tile: _Tile, dims, cfg):
   return head, (tile.q_block0 + j) * cfg.block_q
 
 
-def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
-  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None)."""
+def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
+            biased: bool):
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None);
+  with a bias, `biased` says whether the producer streamed a tile for it (`_walk_steps`)."""
   dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
@@ -132,10 +154,8 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
 
   bias_t = None
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
-    bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
-    needed = plgpu.layout_cast(lax.broadcast(bias_s.needed(step), bias_t.shape),
-                               plgpu.Layout.WGMMA)
-    bias_t = jnp.where(needed, bias_t, 0.0)  # Else the slot holds an old tile.
+    if biased:
+      bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
     plgpu.barrier_arrive(bias_s.consumed.at[slot])
   st, cap_grad = opts.logits.transform(
       common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q)), bias_t)
@@ -191,7 +211,11 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
-  dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
+  if opts.bias:
+    dk, dv = _walk_steps(step, tile, refs.masks, dims, opts, (zeros, zeros))
+  else:
+    dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head,
+                           functools.partial(step, biased=False), (zeros, zeros))
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)
