@@ -273,6 +273,21 @@ def walk_blocks(cta, own, step, release, carry, before_own=None):
   return carry
 
 
+def walk_head_runs(num_heads: int, steps_per_head, blocks_of, step, carry):
+  """A dK/dV warpgroup's ring steps, query head by query head: head g's query blocks
+  `blocks_of(g)` (a `masking.BlockRange` within the tile's [q_block0, q_block0 +
+  steps_per_head)) are ring steps g·steps_per_head + (block − q_block0); its full run goes
+  through `step(i, carry, masked=False)`, the blocks before and after it masked=True."""
+  def head(g, carry):
+    b = blocks_of(g)
+    base = g * steps_per_head - b.first  # the ring step of query block j is base + j
+    for lo, hi, masked in ((b.first, b.full_lo, True), (b.full_lo, b.full_hi, False),
+                           (b.full_hi, b.end, True)):
+      carry = fori(base + lo, base + hi, functools.partial(step, masked=masked), carry)
+    return carry
+  return lax.fori_loop(0, num_heads, head, carry)
+
+
 def producer(streams, num_steps, num_stages: int):
   """A producer warpgroup that streams one tile's blocks and exits."""
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")

@@ -109,24 +109,13 @@ def _bias_needed(step, tile: _Tile, masks: common.MaskInputs, dims, opts):
   return ~blocks.is_full(q0 // opts.config.block_q)
 
 
-def _walk_steps(step, tile: _Tile, masks: common.MaskInputs, dims, opts, carry):
-  """The CTA's steps with a bias, query head by query head: each head's run of blocks that
-  the bias leaves free for all the CTA's keys (the producer streams no tile for them, see
-  `_bias_needed`) runs without reading or adding a tile, the blocks before and after it
-  with one. The same steps, in the same order, as one loop over all of them."""
-  per_head = tile.steps_per_head
-
-  def head_run(g, carry):
-    head = tile.kv_head * dims.group + g
-    free = _bias_q_blocks(masks, opts, tile.batch, head, tile.key0)
-    lo = jnp.clip(free.full_lo - tile.q_block0, 0, per_head)
-    hi = jnp.clip(free.full_hi - tile.q_block0, lo, per_head)
-    base = g * per_head
-    for first, end, biased in ((0, lo, True), (lo, hi, False), (hi, per_head, True)):
-      carry = lax.fori_loop(base + first, base + end, functools.partial(step, biased=biased),
-                            carry)
-    return carry
-  return lax.fori_loop(0, dims.group, head_run, carry)
+def _free_blocks(tile: _Tile, masks: common.MaskInputs, dims, opts, g) -> masking.BlockRange:
+  """Query head g's blocks of the tile, full where the bias leaves them free for all the
+  CTA's keys: the producer streams no tile for those (`_bias_needed`)."""
+  steps = tile.q_block0 + tile.steps_per_head
+  blocks = masking.BlockRange(tile.q_block0, tile.q_block0, steps, steps)
+  head = tile.kv_head * dims.group + g
+  return blocks.full_within(_bias_q_blocks(masks, opts, tile.batch, head, tile.key0))
 
 
 def step_rows(step, tile: _Tile, dims, cfg):
@@ -138,9 +127,10 @@ def step_rows(step, tile: _Tile, dims, cfg):
 
 
 def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
-            biased: bool):
+            masked: bool):
   """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None);
-  with a bias, `biased` says whether the producer streamed a tile for it (`_walk_steps`)."""
+  with a bias, `masked` says whether the producer streamed a tile for it (`_free_blocks`).
+  Element masks (band, lengths, segments) do not depend on it."""
   dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
@@ -154,7 +144,7 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
 
   bias_t = None
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
-    if biased:
+    if masked:
       bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
     plgpu.barrier_arrive(bias_s.consumed.at[slot])
   st, cap_grad = opts.logits.transform(
@@ -211,11 +201,13 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
-  if opts.bias:
-    dk, dv = _walk_steps(step, tile, refs.masks, dims, opts, (zeros, zeros))
+  if opts.bias:  # Free blocks read and add no tile.
+    dk, dv = common.walk_head_runs(
+        dims.group, tile.steps_per_head,
+        lambda g: _free_blocks(tile, refs.masks, dims, opts, g), step, (zeros, zeros))
   else:
     dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head,
-                           functools.partial(step, biased=False), (zeros, zeros))
+                           functools.partial(step, masked=False), (zeros, zeros))
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)
