@@ -243,6 +243,18 @@ def mask_block_table(visible, free, row_granule: int, col_granule: int):
           blocks(free).all(axis=-1).all(axis=-2))
 
 
+def mask_count_table(mask, row_granule: int, col_granule: int):
+  """`mask_block_table` of a mask given as 0/1 bytes, for which visible and free are the
+  same entries: one reduction (the visible entries per block) instead of two. Padding
+  counts as hidden, so an edge block is never full."""
+  *lead, rows, cols = mask.shape
+  nr, nc = _cdiv(rows, row_granule), _cdiv(cols, col_granule)
+  pad = [(0, 0)] * len(lead) + [(0, nr * row_granule - rows), (0, nc * col_granule - cols)]
+  blocks = jnp.pad(mask, pad).reshape(*lead, nr, row_granule, nc, col_granule)
+  counts = blocks.sum(axis=-1, dtype=jnp.int32).sum(axis=-2)
+  return counts > 0, counts == row_granule * col_granule
+
+
 def table_spans(table, num_row_blocks: int):
   """A kernel's spans from a `mask_block_table` taken at its (row, column) blocks (transposed
   for the dK/dV kernel, whose rows are keys): per block of rows, of `num_row_blocks` (the

@@ -209,3 +209,19 @@ def test_table_spans_match_brute_force(data, rows, cols, row_block, col_block, t
   got = masking.table_spans(table, num_row_blocks)
   want = _brute_force_mask_spans(visible, free, row_block, col_block, num_row_blocks)
   np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 200), cols=st.integers(1, 300),
+       granule=st.sampled_from([(64, 64), (64, 128), (32, 64)]),
+       density=st.sampled_from([0.0, 0.5, 0.99, 1.0]))
+def test_count_table_of_a_mask_equals_its_block_table(seed, rows, cols, granule, density):
+  """A 0/1 mask's one-reduction table equals the any/all table of its visible entries,
+  with whole blocks of ones (full), of zeros, and mixed ones."""
+  rng = np.random.default_rng(seed)
+  coarse = rng.random((-(-rows // 32), -(-cols // 32))) < 0.7
+  mask = np.kron(coarse, np.ones((32, 32), bool))[:rows, :cols] & (rng.random((rows, cols)) < density)
+  want = masking.mask_block_table(mask, mask, *granule)
+  got = masking.mask_count_table(mask.astype(np.uint8), *granule)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -165,12 +165,14 @@ class MaskInputs(NamedTuple):
     if bias is None:
       return self
     is_mask = bias.dtype == jnp.uint8  # A mask alone (see `AttentionOptions.bias_is_mask`).
-    visible = bias != 0 if is_mask else bias > -jnp.inf
     # A table of the untransposed bias at the kernel's (query, key) blocks: the dQ and dK/dV
     # kernels' blocks are the same, so XLA computes their table once (common subexpression).
     # (A shared 64 × 64 table for the forward too made its pass 0.25 ms slower at 16k.)
     granule = (col_block, row_block) if tiles_are_keys else (row_block, col_block)
-    may, full = masking.mask_block_table(visible, visible if is_mask else bias == 0, *granule)
+    if is_mask:  # 0/1 bytes: visible and free are the same entries, one count per block.
+      may, full = masking.mask_count_table(bias, *granule)
+    else:
+      may, full = masking.mask_block_table(bias > -jnp.inf, bias == 0, *granule)
     if tiles_are_keys:
       bias, may, full = (jnp.swapaxes(x, -2, -1) for x in (bias, may, full))
     bb, nb, r, c = bias.shape
@@ -271,6 +273,21 @@ def walk_blocks(cta, own, step, release, carry, before_own=None):
     carry = fori(lo, hi, functools.partial(step, masked=masked), carry)
   fori(own.end, cta.end, release, None)
   return carry
+
+
+def walk_head_runs(num_heads: int, steps_per_head, blocks_of, step, carry):
+  """A dK/dV warpgroup's ring steps, query head by query head: head g's query blocks
+  `blocks_of(g)` (a `masking.BlockRange` within the tile's [q_block0, q_block0 +
+  steps_per_head)) are ring steps g·steps_per_head + (block − q_block0); its full run goes
+  through `step(i, carry, masked=False)`, the blocks before and after it masked=True."""
+  def head(g, carry):
+    b = blocks_of(g)
+    base = g * steps_per_head - b.first  # the ring step of query block j is base + j
+    for lo, hi, masked in ((b.first, b.full_lo, True), (b.full_lo, b.full_hi, False),
+                           (b.full_hi, b.end, True)):
+      carry = fori(base + lo, base + hi, functools.partial(step, masked=masked), carry)
+    return carry
+  return lax.fori_loop(0, num_heads, head, carry)
 
 
 def producer(streams, num_steps, num_stages: int):

@@ -109,6 +109,15 @@ def _bias_needed(step, tile: _Tile, masks: common.MaskInputs, dims, opts):
   return ~blocks.is_full(q0 // opts.config.block_q)
 
 
+def _free_blocks(tile: _Tile, masks: common.MaskInputs, dims, opts, g) -> masking.BlockRange:
+  """Query head g's blocks of the tile, full where the bias leaves them free for all the
+  CTA's keys: the producer streams no tile for those (`_bias_needed`)."""
+  steps = tile.q_block0 + tile.steps_per_head
+  blocks = masking.BlockRange(tile.q_block0, tile.q_block0, steps, steps)
+  head = tile.kv_head * dims.group + g
+  return blocks.full_within(_bias_q_blocks(masks, opts, tile.batch, head, tile.key0))
+
+
 def step_rows(step, tile: _Tile, dims, cfg):
   """The query head and query rows of ring step `step` (also `dkv_split`'s)."""
   per_head = jnp.maximum(tile.steps_per_head, 1)  # A tile no query sees runs no step.
@@ -117,8 +126,11 @@ def step_rows(step, tile: _Tile, dims, cfg):
   return head, (tile.q_block0 + j) * cfg.block_q
 
 
-def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
-  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None)."""
+def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
+            masked: bool):
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None);
+  with a bias, `masked` says whether the producer streamed a tile for it (`_free_blocks`).
+  Element masks (band, lengths, segments) do not depend on it."""
   dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
@@ -132,10 +144,8 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts):
 
   bias_t = None
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
-    bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
-    needed = plgpu.layout_cast(lax.broadcast(bias_s.needed(step), bias_t.shape),
-                               plgpu.Layout.WGMMA)
-    bias_t = jnp.where(needed, bias_t, 0.0)  # Else the slot holds an old tile.
+    if masked:
+      bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
     plgpu.barrier_arrive(bias_s.consumed.at[slot])
   st, cap_grad = opts.logits.transform(
       common.matmul(k_smem, refs.q_ring.at[slot].T, (cfg.block_kv, cfg.block_q)), bias_t)
@@ -191,7 +201,13 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
-  dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head, step, (zeros, zeros))
+  if opts.bias:  # Free blocks read and add no tile.
+    dk, dv = common.walk_head_runs(
+        dims.group, tile.steps_per_head,
+        lambda g: _free_blocks(tile, refs.masks, dims, opts, g), step, (zeros, zeros))
+  else:
+    dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head,
+                           functools.partial(step, masked=False), (zeros, zeros))
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)

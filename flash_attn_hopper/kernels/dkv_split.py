@@ -380,14 +380,9 @@ def _dv_loop(tile: _Tile, masks: common.MaskInputs, step, dv, dims, opts):
     return lax.fori_loop(0, dims.group * tile.steps_per_head,
                          functools.partial(step, masked=False), dv)
 
-  def head(g, dv):
-    b = _head_blocks(tile, masks, opts, tile.kv_head * dims.group + g)
-    base = g * tile.steps_per_head - b.first  # the ring step of query block j is base + j
-    for lo, hi, masked in ((b.first, b.full_lo, True), (b.full_lo, b.full_hi, False),
-                           (b.full_hi, b.end, True)):
-      dv = common.fori(base + lo, base + hi, functools.partial(step, masked=masked), dv)
-    return dv
-  return lax.fori_loop(0, dims.group, head, dv)
+  return common.walk_head_runs(
+      dims.group, tile.steps_per_head,
+      lambda g: _head_blocks(tile, masks, opts, tile.kv_head * dims.group + g), step, dv)
 
 
 def _dv_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
