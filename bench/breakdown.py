@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-import flash_attn_hopper as fah
+from bench import programs
 
 
 def breakdown(name: str, fn, *args, repeats: int = 5) -> None:
@@ -47,19 +47,6 @@ def _inputs(rng, t: int, heads: int, kv_heads: int, d: int, batch: int = 1):
   return make(heads), make(kv_heads), make(kv_heads), make(heads)
 
 
-def _program(pass_name: str, **kw):
-  """The timed function of (q, k, v, dout[, mask]) for 'fwd' or 'fwdbwd'."""
-  attn = lambda q, k, v, m=None: fah.dot_product_attention(
-      q, k, v, **(kw if m is None else dict(kw, mask=m)))
-  if pass_name == "fwd":
-    return lambda q, k, v, do, *m: attn(q, k, v, *m)
-
-  def fwd_bwd(q, k, v, do, *m):
-    out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, *m), q, k, v)
-    return out, vjp(do)
-  return fwd_bwd
-
-
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--case", default="all", choices=("mask", "causal", "all"))
@@ -71,15 +58,16 @@ def main() -> int:
     t = 16384
     qkv = _inputs(rng, t, 16, 4, 128)
     mask = jnp.ones((t, t), bool)
-    for pass_name in ("fwd", "fwdbwd"):
-      run(f"all-True mask {pass_name}", _program(pass_name), *qkv, mask)
-      run(f"no mask {pass_name}", _program(pass_name), *qkv)
+    for pass_name in programs.PASSES:
+      run(f"all-True mask {pass_name}", programs.program(pass_name), *qkv, dict(mask=mask))
+      run(f"no mask {pass_name}", programs.program(pass_name), *qkv, {})
   if args.case in ("causal", "all"):
     for t in (16384, 4096):
       for d in (128, 64):
         qkv = _inputs(rng, t, 2048 // d, 2048 // d, d, batch=16384 // t)
         for causal in (True, False):
-          run(f"fwdbwd D{d} T{t} causal={causal}", _program("fwdbwd", is_causal=causal), *qkv)
+          run(f"fwdbwd D{d} T{t} causal={causal}", programs.program("fwdbwd", is_causal=causal),
+            *qkv, {})
   return 0
 
 

@@ -21,13 +21,13 @@ with the wall-clock timer (a smoke run only).
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flash_attn_hopper as fah
+from bench import programs
 from bench import timing
 
 #: Documents packed into one sequence for the segment-ids pair: equal and contiguous.
@@ -38,15 +38,10 @@ def _time(fn, args, timer: str, repeats: int) -> float:
   return timing.median(timing.measure_ms(timer, jax.jit(fn), args, repeats))
 
 
-def _program(attn, pass_name: str):
-  """The timed function of (q, k, v, dout) for one pass."""
-  if pass_name == "fwd":
-    return lambda q, k, v, dout: attn(q, k, v)
-
-  def fwd_bwd(q, k, v, dout):
-    out, vjp = jax.vjp(attn, q, k, v)
-    return out, vjp(dout)
-  return fwd_bwd
+def _split_arrays(kw: dict) -> tuple[dict, dict]:
+  """The op's keyword arguments split into static ones and arrays (passed to the program)."""
+  arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+  return {k: v for k, v in kw.items() if k not in arrays}, arrays
 
 
 def main() -> int:
@@ -65,7 +60,6 @@ def main() -> int:
   rng = np.random.default_rng(0)
   make = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
   b, n, kv, d = 1, 16, 4, 128
-  op = functools.partial(fah.dot_product_attention, interpret=not on_gpu)
   half = jnp.full((b,), t // 2, jnp.int32)
   docs = PACKED_DOCUMENTS
   documents = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), -(-t_packed // docs))[:t_packed]
@@ -87,9 +81,10 @@ def main() -> int:
     if seq not in inputs:
       inputs[seq] = (make((b, seq, n, d)), make((b, seq, kv, d)), make((b, seq, kv, d)),
                      make((b, seq, n, d)))
-    for pass_name in ("fwd", "fwd+bwd"):
-      t_masked, t_base = (_time(_program(functools.partial(op, **kw), pass_name),
-                                inputs[seq], timer, args.repeats) for kw in (masked, base))
+    for pass_name in programs.PASSES:
+      t_masked, t_base = (_time(programs.program(pass_name, interpret=not on_gpu, **kw),
+                                (*inputs[seq], arrays), timer, args.repeats)
+                          for kw, arrays in map(_split_arrays, (masked, base)))
       print(f"{name:44s} T {seq:6d} {pass_name:8s} {t_masked:9.3f} {t_base:9.3f}  "
             f"base/masked {t_base / t_masked:5.2f}x", flush=True)
   return 0
