@@ -53,3 +53,19 @@ def matmul_accumulate(acc, lhs, rhs_smem, *, staging=None, while_running=lambda:
     while_running()
     return acc_ref[...]
   return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def matmul_accumulate_pair(accs, lhss, rhss_smem, *, staging=None):
+  """Returns `(acc + lhs @ rhs for each of two)`, both matmuls issued before either is
+  awaited (the dK/dV kernel's dV += Pᵀ dO and dK += dSᵀ Q), so the tensor cores run them
+  back to back. Arguments as in `matmul_accumulate`, in pairs; when interpreting, the two
+  run one after the other through the one `staging` buffer."""
+  if staging is not None:
+    return tuple(matmul_accumulate(acc, lhs, rhs, staging=staging)
+                 for acc, lhs, rhs in zip(accs, lhss, rhss_smem))
+
+  def issue(acc_refs):
+    for acc_ref, lhs, rhs in zip(acc_refs, lhss, rhss_smem):
+      plgpu.wgmma(acc_ref, lhs, rhs)
+  return pl.run_state(issue)(
+      tuple(plgpu.ACC.init(layouts.to_accumulator_layout(acc)) for acc in accs))

@@ -251,6 +251,24 @@ def matmul(a_smem, b_smem, shape):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def overlapped_matmuls(first, second, on_first, before_second=lambda: None):
+  """Two matmuls of shared-memory operands, each `(a_smem, b_smem, shape)`, into fresh float32
+  accumulators, both issued before either is awaited. Returns `(on_first(a @ b of first),
+  a @ b of second)`: the work on the first product (the backward's 2^(S − LSE)) runs while the
+  tensor cores compute the second (dP), instead of between them. `before_second()` runs
+  between the two issues (a barrier wait for the second's operand)."""
+  def run(first_ref, second_ref):
+    plgpu.wgmma(first_ref, first[0], first[1])
+    before_second()
+    plgpu.wgmma(second_ref, second[0], second[1])
+    # Each wgmma is one commit group and groups retire in order: one left in flight is the
+    # second. (The interpreter runs a wgmma when it is issued and ignores the count.)
+    result = on_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
+    return result, second_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(first[2], jnp.float32),
+                       plgpu.ACC(second[2], jnp.float32))
+
+
 def fori(lo, hi, body, carry):
   """`lax.fori_loop`, or nothing when the bounds are equal Python ints, so that a kernel emits
   no loop for a part of a block range that a mask makes statically empty."""
