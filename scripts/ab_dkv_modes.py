@@ -1,9 +1,9 @@
 """Interleaved A/B of the dK/dV kernel's step at D 128 (branch dkv-d128-variants):
 `PYTHONPATH=. python scripts/ab_dkv_modes.py [T] [--rounds 3]` on the H200.
 
-Flips `kernels.dkv.OVERLAP_PRODUCTS_ONLY` between fwd+bwd runs of one shape (B·T = 16k,
-hidden 2048, bf16, non-causal and causal) and prints bench.breakdown's per-kernel times for
-each, alternating, so that the GPU's heating affects both alike.
+Sets `kernels.dkv.WIDE_STEP_OVERLAP` to each mode in turn between fwd+bwd runs of one shape
+(B·T = 16k, hidden 2048, bf16, non-causal and causal) and prints bench.breakdown's
+per-kernel times for each, round after round, so that the GPU's heating affects all alike.
 """
 
 import argparse
@@ -13,6 +13,8 @@ import numpy as np
 from bench import breakdown
 from bench import programs
 from flash_attn_hopper.kernels import dkv
+
+MODES = ("none", "products", "pair")
 
 
 def main() -> int:
@@ -25,9 +27,9 @@ def main() -> int:
                           batch=16384 // t)
   for causal in (False, True):
     for _ in range(args.rounds):
-      for mode in (False, True):
-        dkv.OVERLAP_PRODUCTS_ONLY = mode  # Read when the kernel is traced: a fresh program.
-        breakdown.breakdown(f"D{d} T{t} causal={causal} products_only={mode}",
+      for mode in MODES:
+        dkv.WIDE_STEP_OVERLAP = mode  # Read when the kernel is traced: a fresh program.
+        breakdown.breakdown(f"D{d} T{t} causal={causal} overlap={mode}",
                             programs.program("fwdbwd", is_causal=causal), *qkv, {},
                             repeats=10)
   return 0
