@@ -46,6 +46,11 @@ from flash_attn_hopper.kernels import common
 #: run on the H200, 2026-11-30: the (block_kv, D) dK and dV accumulators take 128 registers
 #: a thread before Sᵀ and dPᵀ add 64), while at D 64 it was 12% faster (7.77 against 8.83 ms).
 OVERLAP_MAX_HEAD_DIM = 64
+#: Experiment (branch dkv-d128-variants, not measured yet): how a step above
+#: OVERLAP_MAX_HEAD_DIM overlaps its matmuls. "none": one in flight at a time (main's);
+#: "products": Sᵀ and dPᵀ issued together, dV and dK awaited one at a time; "pair": Sᵀ and dPᵀ
+#: one at a time, dV and dK issued together. `scripts/ab_dkv_modes.py` times them interleaved.
+WIDE_STEP_OVERLAP = "none"
 
 
 class _Refs(NamedTuple):
@@ -186,6 +191,20 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
     (pt, cap_grad), dpt = common.overlapped_matmuls(
         (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
     dst = logits_grad(pt, dpt)
+    dk, dv = accumulate.matmul_accumulate_pair(
+        (dk, dv), (dst.astype(dims.dtype), pt.astype(dims.dtype)), (q_slot, do_slot),
+        staging=staging)
+    plgpu.barrier_arrive(do_s.consumed.at[slot])
+  elif WIDE_STEP_OVERLAP == "products":
+    (pt, cap_grad), dpt = common.overlapped_matmuls(
+        (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
+    dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), do_slot, staging=staging)
+    plgpu.barrier_arrive(do_s.consumed.at[slot])
+    dst = logits_grad(pt, dpt)
+    dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), q_slot, staging=staging)
+  elif WIDE_STEP_OVERLAP == "pair":
+    pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
+    dst = logits_grad(pt, common.matmul(v_smem, do_slot.T, shape))
     dk, dv = accumulate.matmul_accumulate_pair(
         (dk, dv), (dst.astype(dims.dtype), pt.astype(dims.dtype)), (q_slot, do_slot),
         staging=staging)
