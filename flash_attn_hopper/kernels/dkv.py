@@ -13,8 +13,8 @@ streams Q, dO, the LSE and δ of every query block of every query head in the KV
       dSᵀ = Pᵀ ∘ (dPᵀ − δ)
       dK += dSᵀ Q               scaled once at the end
 
-Up to OVERLAP_MAX_HEAD_DIM, Sᵀ and dPᵀ are issued together and Pᵀ is computed while the tensor
-cores run dPᵀ; dV and dK are then issued together.
+dV and dK are issued together. Up to OVERLAP_PRODUCTS_MAX_HEAD_DIM, Sᵀ and dPᵀ are too, and
+Pᵀ is computed while the tensor cores run dPᵀ.
 
 With a band, key lengths or segment ids, every step is masked (the keys' ids load with K and
 V, the queries' ids stream with Q), and with segment ids the query blocks that share no
@@ -40,17 +40,17 @@ from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 
-#: Up to this head dim a step issues Sᵀ and dPᵀ together (2^(Sᵀ − LSE) runs under dPᵀ), then
-#: dV and dK together. Above it the step keeps one matmul in flight: at D 128 the overlap
-#: left the kernel 6% slower (7.87 against 7.39 ms, fwd+bwd 16k non-causal bf16, one A/B
-#: run on the H200, 2026-11-30: the (block_kv, D) dK and dV accumulators take 128 registers
-#: a thread before Sᵀ and dPᵀ add 64), while at D 64 it was 12% faster (7.77 against 8.83 ms).
-OVERLAP_MAX_HEAD_DIM = 64
-#: Experiment (branch dkv-d128-variants, not measured yet): how a step above
-#: OVERLAP_MAX_HEAD_DIM overlaps its matmuls. "none": one in flight at a time (main's);
-#: "products": Sᵀ and dPᵀ issued together, dV and dK awaited one at a time; "pair": Sᵀ and dPᵀ
-#: one at a time, dV and dK issued together. `scripts/ab_dkv_modes.py` times them interleaved.
-WIDE_STEP_OVERLAP = "none"
+#: Every step issues dV and dK together (`accumulate.matmul_accumulate_pair`). Up to this
+#: head dim it also issues Sᵀ and dPᵀ together (2^(Sᵀ − LSE) runs under dPᵀ); above it, Sᵀ
+#: and dPᵀ run one at a time. Interleaved A/B on the H200 (fwd+bwd bf16, 16k, dK/dV kernel;
+#: `scripts/ab_dkv_modes.py`, 2026-11-30, two rounds each):
+#:   D 128 non-causal: one matmul at a time 8.42 / 8.49 ms; only Sᵀ-dPᵀ together 7.77 / 7.77;
+#:   only dV-dK together 7.36 / 7.36; both (the previous session) 7.87 against 7.39.
+#:   D 128 causal: 3.88 / 3.96; 4.12 / 3.51; 3.32 / 3.84.
+#:   D 64 non-causal, both against one at a time: 7.77 against 8.83 ms.
+#: At D 128 the (block_kv, D) dK and dV accumulators take 128 registers a thread, and Sᵀ with
+#: dPᵀ in flight together add 64 more.
+OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 
 
 class _Refs(NamedTuple):
@@ -187,35 +187,17 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
 
   shape = (cfg.block_kv, cfg.block_q)
   q_slot, do_slot = refs.q_ring.at[slot], refs.do_ring.at[slot]
-  if dims.head_dim <= OVERLAP_MAX_HEAD_DIM:
+  if dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM:
     (pt, cap_grad), dpt = common.overlapped_matmuls(
         (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
-    dst = logits_grad(pt, dpt)
-    dk, dv = accumulate.matmul_accumulate_pair(
-        (dk, dv), (dst.astype(dims.dtype), pt.astype(dims.dtype)), (q_slot, do_slot),
-        staging=staging)
-    plgpu.barrier_arrive(do_s.consumed.at[slot])
-  elif WIDE_STEP_OVERLAP == "products":
-    (pt, cap_grad), dpt = common.overlapped_matmuls(
-        (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
-    dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), do_slot, staging=staging)
-    plgpu.barrier_arrive(do_s.consumed.at[slot])
-    dst = logits_grad(pt, dpt)
-    dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), q_slot, staging=staging)
-  elif WIDE_STEP_OVERLAP == "pair":
-    pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
-    dst = logits_grad(pt, common.matmul(v_smem, do_slot.T, shape))
-    dk, dv = accumulate.matmul_accumulate_pair(
-        (dk, dv), (dst.astype(dims.dtype), pt.astype(dims.dtype)), (q_slot, do_slot),
-        staging=staging)
-    plgpu.barrier_arrive(do_s.consumed.at[slot])
   else:
     pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
-    dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), do_slot, staging=staging)
     dpt = common.matmul(v_smem, do_slot.T, shape)
-    plgpu.barrier_arrive(do_s.consumed.at[slot])
-    dst = logits_grad(pt, dpt)
-    dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), q_slot, staging=staging)
+  dst = logits_grad(pt, dpt)
+  dk, dv = accumulate.matmul_accumulate_pair(
+      (dk, dv), (dst.astype(dims.dtype), pt.astype(dims.dtype)), (q_slot, do_slot),
+      staging=staging)
+  plgpu.barrier_arrive(do_s.consumed.at[slot])
   plgpu.barrier_arrive(q_s.consumed.at[slot])
   return dk, dv
 
