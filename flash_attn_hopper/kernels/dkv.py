@@ -42,11 +42,12 @@ from flash_attn_hopper.kernels import common
 
 #: Every step issues dV and dK together (`accumulate.matmul_accumulate_pair`). Up to this
 #: head dim it also issues Sᵀ and dPᵀ together (2^(Sᵀ − LSE) runs under dPᵀ); above it, Sᵀ
-#: and dPᵀ run one at a time. Interleaved A/B on the H200 (fwd+bwd bf16, 16k, dK/dV kernel;
-#: `scripts/ab_dkv_modes.py`, 2026-11-30, two rounds each):
-#:   D 128 non-causal: one matmul at a time 8.42 / 8.49 ms; only Sᵀ-dPᵀ together 7.77 / 7.77;
-#:   only dV-dK together 7.36 / 7.36; both (the previous session) 7.87 against 7.39.
-#:   D 128 causal: 3.88 / 3.96; 4.12 / 3.51; 3.32 / 3.84.
+#: and dPᵀ run one at a time. Interleaved A/B on the H200 (fwd+bwd bf16, 16k, dK/dV kernel,
+#: 2026-11-30, two rounds each; the script is on branch dkv-d128-variants), at D 128:
+#:   one matmul at a time: 8.42 / 8.49 ms non-causal, 3.88 / 3.96 causal;
+#:   only Sᵀ and dPᵀ together: 7.77 / 7.77, 4.12 / 3.51;
+#:   only dV and dK together: 7.36 / 7.36, 3.32 / 3.84 (kept);
+#:   both (the previous session, non-causal): 7.87 against 7.39 one at a time.
 #:   D 64 non-causal, both against one at a time: 7.77 against 8.83 ms.
 #: At D 128 the (block_kv, D) dK and dV accumulators take 128 registers a thread, and Sᵀ with
 #: dPᵀ in flight together add 64 more.
