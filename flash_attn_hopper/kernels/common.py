@@ -297,7 +297,12 @@ def walk_head_runs(num_heads: int, steps_per_head, blocks_of, step, carry):
   """A dK/dV warpgroup's ring steps, query head by query head: head g's query blocks
   `blocks_of(g)` (a `masking.BlockRange` within the tile's [q_block0, q_block0 +
   steps_per_head)) are ring steps g·steps_per_head + (block − q_block0); its full run goes
-  through `step(i, carry, masked=False)`, the blocks before and after it masked=True."""
+  through `step(i, carry, masked=False)`, the blocks before and after it masked=True.
+  `blocks_of` None: every step is full, one loop over them all."""
+  if blocks_of is None:
+    return lax.fori_loop(0, num_heads * steps_per_head, functools.partial(step, masked=False),
+                         carry)
+
   def head(g, carry):
     b = blocks_of(g)
     base = g * steps_per_head - b.first  # the ring step of query block j is base + j

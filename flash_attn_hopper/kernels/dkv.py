@@ -228,13 +228,9 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
   step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
                            dims=dims, opts=opts)
-  if opts.bias:  # Free blocks read and add no tile.
-    dk, dv = common.walk_head_runs(
-        dims.group, tile.steps_per_head,
-        lambda g: _free_blocks(tile, refs.masks, dims, opts, g), step, (zeros, zeros))
-  else:
-    dk, dv = lax.fori_loop(0, dims.group * tile.steps_per_head,
-                           functools.partial(step, masked=False), (zeros, zeros))
+  free = lambda g: _free_blocks(tile, refs.masks, dims, opts, g)  # They read no bias tile.
+  dk, dv = common.walk_head_runs(dims.group, tile.steps_per_head, free if opts.bias else None,
+                                 step, (zeros, zeros))
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)

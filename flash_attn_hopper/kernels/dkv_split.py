@@ -376,13 +376,9 @@ def _store(acc, smem, dst, dtype):
 
 def _dv_loop(tile: _Tile, masks: common.MaskInputs, step, dv, dims, opts):
   """Warpgroup 0's steps, head by head: element masks on the edge blocks only."""
-  if not _may_mask(opts):
-    return lax.fori_loop(0, dims.group * tile.steps_per_head,
-                         functools.partial(step, masked=False), dv)
-
-  return common.walk_head_runs(
-      dims.group, tile.steps_per_head,
-      lambda g: _head_blocks(tile, masks, opts, tile.kv_head * dims.group + g), step, dv)
+  blocks = lambda g: _head_blocks(tile, masks, opts, tile.kv_head * dims.group + g)
+  return common.walk_head_runs(dims.group, tile.steps_per_head,
+                               blocks if _may_mask(opts) else None, step, dv)
 
 
 def _dv_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
