@@ -3,7 +3,8 @@
 
 - `mask`: an all-True (T, S) `mask` at T = 16k (B 1, 16 query heads over 4, D 128, bf16)
   against no mask, forward and fwd+bwd: the XLA fusions that prepare the mask (its one-byte
-  copy, the block tables) beside the kernels;
+  copy, the block tables) beside the kernels; with `--layers L`, L chained layers share the
+  mask (each output the next layer's queries), to see its preparation paid once per step;
 - `causal`: fwd+bwd causal and not, D 64 and 128 at T 4k and 16k (B·T = 16k, hidden 2048):
   the forward, dQ and dK/dV kernels' shares.
 
@@ -51,6 +52,7 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--case", default="all", choices=("mask", "causal", "all"))
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--layers", type=int, default=1, help="layers sharing the mask (mask)")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   run = lambda name, fn, *a: breakdown(name, fn, *a, repeats=args.repeats)
@@ -58,9 +60,11 @@ def main() -> int:
     t = 16384
     qkv = _inputs(rng, t, 16, 4, 128)
     mask = jnp.ones((t, t), bool)
+    layered = f", {args.layers} layers" if args.layers > 1 else ""
     for pass_name in programs.PASSES:
-      run(f"all-True mask {pass_name}", programs.program(pass_name), *qkv, dict(mask=mask))
-      run(f"no mask {pass_name}", programs.program(pass_name), *qkv, {})
+      program = programs.program(pass_name, layers=args.layers)
+      run(f"all-True mask {pass_name}{layered}", program, *qkv, dict(mask=mask))
+      run(f"no mask {pass_name}{layered}", program, *qkv, {})
   if args.case in ("causal", "all"):
     for t in (16384, 4096):
       for d in (128, 64):

@@ -12,7 +12,10 @@ Times four things in one run on a Hopper GPU, forward and forward+backward, bf16
   against dense causal over the same T (the documents should cost about 1/8 of it);
 - an all-True `mask` (a bias tile per block, nothing skipped) and the causal mask given as a
   `mask` (blocks above the diagonal skipped), at the packed pair's T, against no mask and
-  `is_causal` (what a data mask costs over the static band).
+  `is_causal` (what a data mask costs over the static band);
+- the all-True mask shared by `--layers` chained layers (each layer's output the next one's
+  queries), as a model's step uses one mask: its preparation is paid once per step, not per
+  layer.
 
 Each line prints the two medians and their ratio; off Hopper, tiny shapes run in interpret mode
 with the wall-clock timer (a smoke run only).
@@ -51,6 +54,8 @@ def main() -> int:
   parser.add_argument("--window", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--timer", default="auto", choices=timing.TIMERS)
+  parser.add_argument("--layers", type=int, default=8, help="layers sharing one mask")
+  parser.add_argument("--only", default="", help="run the pairs whose name contains this")
   args = parser.parse_args()
   on_gpu = fah.api.on_hopper()
   t = args.tokens if on_gpu else 256
@@ -63,7 +68,8 @@ def main() -> int:
   half = jnp.full((b,), t // 2, jnp.int32)
   docs = PACKED_DOCUMENTS
   documents = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), -(-t_packed // docs))[:t_packed]
-  # name: (T = S, the masked op's arguments, the baseline's).
+  all_true = jnp.ones((t_packed, t_packed), bool)
+  # name: (T = S, the masked op's arguments, the baseline's[, layers]).
   pairs = {
       f"window {window} causal vs dense causal": (
           t, dict(is_causal=True, local_window_size=(window, 0)), dict(is_causal=True)),
@@ -71,18 +77,24 @@ def main() -> int:
       "kv lengths S/2 vs none": (t, dict(key_value_seq_lengths=half), {}),
       f"packed: {docs} causal documents vs dense causal": (
           t_packed, dict(segment_ids=documents, is_causal=True), dict(is_causal=True)),
-      "all-True mask vs no mask": (t_packed, dict(mask=jnp.ones((t_packed, t_packed), bool)), {}),
+      "all-True mask vs no mask": (t_packed, dict(mask=all_true), {}),
       "causal as a mask vs is_causal": (
           t_packed, dict(mask=jnp.tri(t_packed, dtype=bool)), dict(is_causal=True)),
+      f"all-True mask vs no mask, {args.layers} layers": (
+          t_packed, dict(mask=all_true), {}, args.layers),
   }
   print(f"B {b}, N {n}, K {kv}, D {d}, bf16, timer {timer}, median of {args.repeats} (ms)")
   inputs = {}
-  for name, (seq, masked, base) in pairs.items():
+  for name, (seq, masked, base, *layers) in pairs.items():
+    if args.only not in name:
+      continue
+    layers = layers[0] if layers else 1
     if seq not in inputs:
       inputs[seq] = (make((b, seq, n, d)), make((b, seq, kv, d)), make((b, seq, kv, d)),
                      make((b, seq, n, d)))
     for pass_name in programs.PASSES:
-      t_masked, t_base = (_time(programs.program(pass_name, interpret=not on_gpu, **kw),
+      t_masked, t_base = (_time(programs.program(pass_name, layers=layers,
+                                                 interpret=not on_gpu, **kw),
                                 (*inputs[seq], arrays), timer, args.repeats)
                           for kw, arrays in map(_split_arrays, (masked, base)))
       print(f"{name:44s} T {seq:6d} {pass_name:8s} {t_masked:9.3f} {t_base:9.3f}  "

@@ -16,12 +16,22 @@ import flash_attn_hopper as fah
 PASSES = ("fwd", "fwdbwd")
 
 
-def program(pass_name: str, **static):
+def program(pass_name: str, *, layers: int = 1, **static):
   """The function of (q, k, v, dout, arrays) for `pass_name` ('fwd' or 'fwdbwd'): the op
-  with the keyword arguments `static` and `arrays` (a dict, passed as a jit argument)."""
+  with the keyword arguments `static` and `arrays` (a dict, passed as a jit argument).
+
+  `layers` > 1 chains the op as a model's layers do, each layer's output the next one's
+  queries, all with the same K, V and `arrays`: what a mask's preparation costs once it is
+  shared by the layers of one step (XLA computes it once)."""
   if pass_name not in PASSES:
     raise ValueError(f"pass_name must be one of {PASSES}, got {pass_name!r}")
-  attn = lambda q, k, v, arrays: fah.dot_product_attention(q, k, v, **static, **arrays)
+  if layers < 1:
+    raise ValueError(f"layers must be at least 1, got {layers}")
+
+  def attn(q, k, v, arrays):
+    for _ in range(layers):
+      q = fah.dot_product_attention(q, k, v, **static, **arrays)
+    return q
   if pass_name == "fwd":
     return lambda q, k, v, dout, arrays: attn(q, k, v, arrays)
 
