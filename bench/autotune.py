@@ -46,8 +46,8 @@ def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False)
                 for dq in (None, 1)]
                for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2) for n in NUM_STAGES]
   else:
-    configs = [[fah.ForwardConfig(block_q=64, block_kv=bkv, num_stages=n)]
-               for bkv, n in itertools.product(block_kvs, NUM_STAGES)]
+    configs = [[fah.ForwardConfig(block_q=64, block_kv=bkv, num_stages=n, overlap_softmax=o)]
+               for bkv, n, o in itertools.product(block_kvs, NUM_STAGES, (False, True))]
   out = []
   for choices in configs:
     for cfg in choices:

@@ -14,6 +14,7 @@ same sum. This module is the only place that branches on the interpreter.
 
 from __future__ import annotations
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -69,3 +70,41 @@ def matmul_accumulate_pair(accs, lhss, rhss_smem, *, staging=None):
       plgpu.wgmma(acc_ref, lhs, rhs)
   return pl.run_state(issue)(
       tuple(plgpu.ACC.init(layouts.to_accumulator_layout(acc)) for acc in accs))
+
+
+def matmul_beside_accumulate(acc, lhs, rhs_smem, fresh, on_fresh, like, *, staging=None,
+                             after_issue=lambda: None):
+  """FA3's intra-warpgroup overlap: issues a fresh product `a @ b` of shared-memory operands
+  (`fresh` is `(a_smem, b_smem, shape)`), then acc + lhs @ rhs_smem, and runs `on_fresh` on
+  the fresh product while the accumulate is still on the tensor cores.
+
+  Returns `(acc + lhs @ rhs_smem, on_fresh(a @ b))`. `like` is a pytree of arrays shaped,
+  typed and laid out as `on_fresh`'s result (its value is not used): on the GPU the result
+  leaves the accumulator's scope through refs initialized from it. `after_issue()` runs once
+  both matmuls are issued. When interpreting (`staging` given), the fresh product is
+  computed, `on_fresh` run, and then the accumulate, one after the other: the same sums."""
+  a_smem, b_smem, shape = fresh
+  if staging is not None:
+    def product(s_ref):
+      plgpu.wgmma(s_ref, a_smem, b_smem)
+      return s_ref[...]
+    s = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+    after_issue()
+    result = on_fresh(s)
+    return matmul_accumulate(acc, lhs, rhs_smem, staging=staging), result
+
+  def issue(refs):
+    acc_ref, out_refs = refs
+
+    def scoped(s_ref):
+      plgpu.wgmma(s_ref, a_smem, b_smem)
+      plgpu.wgmma(acc_ref, lhs, rhs_smem)
+      after_issue()
+      # Commit groups retire in order: with one left in flight, the fresh product is done.
+      return on_fresh(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+    result = pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+    for ref, value in zip(jax.tree.leaves(out_refs), jax.tree.leaves(result)):
+      ref[...] = value
+  acc, result = pl.run_state(issue)(
+      (plgpu.ACC.init(layouts.to_accumulator_layout(acc)), like))
+  return acc, result

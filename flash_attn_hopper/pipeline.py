@@ -70,9 +70,14 @@ class Barriers:
   #: With a bias only: the (ready, consumed) pair of the ring of bias tiles.
   bias_ready: object = None
   bias_consumed: object = None
+  #: With the intra-warpgroup overlap only: one barrier per compute warpgroup, "your turn to
+  #: issue matmuls" (FA3's scheduler barrier): a warpgroup waits for its turn, issues, and
+  #: hands the turn to the other, so only the issuing alternates and the softmaxes overlap.
+  turn: object = None
 
   @staticmethod
-  def types(num_stages: int, segments: bool = False, bias: bool = False) -> tuple:
+  def types(num_stages: int, segments: bool = False, bias: bool = False,
+            turns: bool = False) -> tuple:
     """The scratch types that `pl.run_scoped` allocates, in the order of the fields."""
     per_wg = NUM_COMPUTE_WARPGROUPS
     k_ready, k_consumed = stream_barrier_types(num_stages)
@@ -82,7 +87,8 @@ class Barriers:
     ids = (plgpu.Barrier(num_barriers=per_wg), *stream_barrier_types(num_stages))
     no_ids = (None, None, None)
     return (*base, *(ids if segments else no_ids),
-            *(stream_barrier_types(num_stages) if bias else ()))
+            *(stream_barrier_types(num_stages) if bias else (None, None)),
+            *((plgpu.Barrier(num_barriers=per_wg),) if turns else ()))
 
   def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None,
                  bias_src=None, bias_smem=None, bias_needed=None) -> tuple:
@@ -97,6 +103,14 @@ class Barriers:
                             bias_needed))
     streams.append(Stream(v_src, v_smem, self.v_ready, self.v_consumed))
     return tuple(streams)
+
+  def take_turn(self, wg):
+    """Waits until it is warpgroup `wg`'s turn to issue matmuls (see `turn`)."""
+    plgpu.barrier_wait(self.turn.at[wg])
+
+  def pass_turn(self, wg):
+    """Hands the turn to issue matmuls to the other compute warpgroup."""
+    plgpu.barrier_arrive(self.turn.at[1 - wg])
 
   def sync_schedule(self):
     """Both compute warpgroups pass the schedule barrier (see the class docstring)."""

@@ -109,6 +109,7 @@ def test_xla_path_passes_every_argument_through(rng):
     ("block_kv", 100, "block_kv must be a positive multiple of 64"),
     ("num_stages", 1, "num_stages must be at least 2"),
     ("block_kv", 128.0, "block_kv must be an int"),
+    ("overlap_softmax", 1, "overlap_softmax must be a bool"),
 ])
 def test_config_errors_name_the_field(field, value, match):
   with pytest.raises((ValueError, TypeError), match=f"ForwardConfig.{match}"):

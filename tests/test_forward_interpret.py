@@ -88,3 +88,27 @@ def test_jit_of_vmap_over_an_extra_batch_dim(rng):
       q, k, v, is_causal=True, interpret=True)))(q, k, v)
   for i in range(3):
     testing.check_attention(out[i], q[i], k[i], v[i], is_causal=True)
+
+
+# FA3's intra-warpgroup overlap (`ForwardConfig.overlap_softmax`, the tuned choice at D 128
+# and 256 without causal): forced at D 64 with 64-key blocks over S = 250, so that the two
+# warpgroups' ranges differ (releases), a left window edge and key lengths leave ranges empty
+# (the branches around the first and last block), and a 0-length batch element sees nothing.
+OVERLAP_CASES = {
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(70, 20)),
+    "causal_kv_lengths": dict(is_causal=True, key_value_seq_lengths=jnp.array([250, 0, 97])),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_overlapped_softmax(rng, case):
+  kw = OVERLAP_CASES[case]
+  batch = 3 if "key_value_seq_lengths" in kw else 1
+  w = workloads.Workload("overlap_250x250", batch=batch, seq_q=250, seq_kv=250,
+                         num_q_heads=2, num_kv_heads=1, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True)
+  out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=cfg,
+                                       return_residual=True, **kw)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)

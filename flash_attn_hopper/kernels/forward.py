@@ -15,6 +15,12 @@ each compute warpgroup runs:
                  O = α·O + P V                 P from registers; O re-enters the tensor cores
     epilogue   O / l and the LSE through shared memory and TMA
 
+With `ForwardConfig.overlap_softmax` (FA3's intra-warpgroup overlap; tuned on at D 128 and 256
+without causal, and taken only without a bias or segment ids), `_attend_overlapped` runs the
+loop shifted by one block: S of block j and PV of block j − 1 are issued together, and the
+softmax of S runs while PV is on the tensor cores. The warpgroups then take turns to issue
+(`Barriers.turn`) instead of meeting at the schedule barrier twice per block.
+
 Rows past T and keys past S are zero-filled by TMA on load and clipped on store; keys past S
 are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work. With segment ids, each warpgroup's
 rows' ids come with its Q tile and the keys' ids stream through the ring between K and V.
@@ -146,8 +152,9 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   return acc, state
 
 
-def _release_step(step, _, *, refs, bars, opts, ring0):
-  """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
+def _release_step(step, _, *, refs, bars, opts, ring0, wg=None):
+  """A block streamed for the other warpgroup only (masks): free its slot, keep the beat
+  (with the intra-warpgroup overlap, warpgroup `wg` takes and passes its turn)."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   _key_ids(bars, refs, slot, load=False)
@@ -156,8 +163,12 @@ def _release_step(step, _, *, refs, bars, opts, ring0):
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   plgpu.barrier_arrive(bars.v_consumed.at[slot])
-  bars.sync_schedule()
-  bars.sync_schedule()
+  if _overlaps(opts):
+    bars.take_turn(wg)
+    bars.pass_turn(wg)
+  else:
+    bars.sync_schedule()
+    bars.sync_schedule()
 
 
 def _kv_blocks(tile: scheduler.Tile, q0, rows: int, refs: _Refs, dims, opts: ForwardOptions):
@@ -202,6 +213,143 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
   return common.walk_blocks(cta, own, step, release, carry, before_own=first_k_ready)
 
 
+def _overlaps(opts: ForwardOptions) -> bool:
+  """Whether the kv_loop takes FA3's intra-warpgroup overlap (`_attend_overlapped`): when the
+  config asks for it and no bias or key ids stream beside K and V."""
+  return opts.config.overlap_softmax and not opts.bias and not opts.segments
+
+
+def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
+  """Block `step`'s logits into the online softmax: returns (state, P in the inputs' dtype,
+  α)."""
+  s, _ = opts.logits.transform(s, None)
+  if masked:
+    s = masking.apply_element_mask(s, q0, step * opts.config.block_kv, seq_kv, opts.mask)
+  state, p, alpha = softmax.update(state, s, opts.logits.exp2_scale)
+  p16 = p.astype(dims.dtype)
+  state = softmax.add_row_sum(state, p)
+  return state, p16, alpha
+
+
+def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, masked, **kw):
+  """KV block `step` with the PV of block step − 1 under its softmax (FA3's intra-warpgroup
+  overlap): S = QKᵀ and O += P·V are issued together, then the softmax of S runs while PV is
+  on the tensor cores. `carry` is (O, state, P, α), P and α of block step − 1."""
+  acc, state, p16, alpha = carry
+  cfg = kw["opts"].config
+  slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
+  prev = pipeline.slot_of(ring0 + step - 1, cfg.num_stages)
+  plgpu.barrier_wait(bars.k_ready.at[slot])
+  acc = softmax.rescale(acc, alpha)
+  plgpu.barrier_wait(bars.v_ready.at[prev])
+
+  def on_s(s):
+    plgpu.barrier_arrive(bars.k_consumed.at[slot])
+    return _softmax_block(s, state, step, masked=masked, **kw)
+
+  shape = (cfg.block_q, cfg.block_kv)
+  bars.take_turn(wg)
+  acc, (state, p16, alpha) = accumulate.matmul_beside_accumulate(
+      acc, p16, refs.v_smem.at[prev], (q_smem, refs.k_smem.at[slot].T, shape), on_s,
+      (state, p16, alpha), staging=p_staging, after_issue=lambda: bars.pass_turn(wg))
+  plgpu.barrier_arrive(bars.v_consumed.at[prev])
+  return acc, state, p16, alpha
+
+
+def _overlap_first(block, *, refs, bars, ring0, wg, q_smem, **kw):
+  """The first block of an overlapped kv_loop: S and its softmax, no PV yet (always
+  element-masked: correct on a full block, and once per tile)."""
+  cfg = kw["opts"].config
+  slot = pipeline.slot_of(ring0 + block, cfg.num_stages)
+  plgpu.barrier_wait(bars.k_ready.at[slot])
+
+  def qk(s_ref):
+    bars.take_turn(wg)
+    plgpu.wgmma(s_ref, q_smem, refs.k_smem.at[slot].T)
+    bars.pass_turn(wg)
+    return s_ref[...]
+
+  s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
+  plgpu.barrier_arrive(bars.k_consumed.at[slot])
+  return _softmax_block(s, softmax.init(cfg.block_q), block, masked=True, **kw)
+
+
+def _overlap_last(acc, p16, alpha, block, *, refs, bars, ring0, wg, opts, p_staging):
+  """The PV of an overlapped kv_loop's last block."""
+  slot = pipeline.slot_of(ring0 + block, opts.config.num_stages)
+  plgpu.barrier_wait(bars.v_ready.at[slot])
+  acc = accumulate.matmul_accumulate(softmax.rescale(acc, alpha), p16, refs.v_smem.at[slot],
+                                     staging=p_staging)
+  plgpu.barrier_arrive(bars.v_consumed.at[slot])
+  return acc
+
+
+def _attend_overlapped(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers,
+                       dims, opts):
+  """`_attend` with FA3's intra-warpgroup overlap: the first block's softmax, then per block
+  its S beside the previous block's PV, then the last block's PV. The warpgroups take turns
+  to issue (`Barriers.turn`): one turn per block the CTA streams and one per tile (the last
+  PV), so both take the same number whatever their own blocks."""
+  cfg = opts.config
+  q0 = tile.row0 + wg * cfg.block_q
+  seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
+  cta = _cta_kv_blocks(tile, refs, dims, opts)
+  own = _kv_blocks(tile, q0, cfg.block_q, refs, dims, opts).within(cta)
+  ring0 = ring0 - cta.first
+  kw = dict(dims=dims, opts=opts, q0=q0, seq_kv=seq_kv)
+  at = dict(refs=refs, bars=bars, ring0=ring0, wg=wg)
+  release = functools.partial(_release_step, refs=refs, bars=bars, opts=opts, ring0=ring0,
+                              wg=wg)
+  p_staging = None if refs.p_staging is None else refs.p_staging.at[wg]
+  acc = common.zeros_accumulator((cfg.block_q, dims.head_dim))
+  nonempty = True if _always_visits(opts) else own.end > own.first
+
+  common.fori(cta.first, own.first, release, None)
+  first = lambda: _overlap_first(own.first, q_smem=refs.q_smem.at[wg], **at, **kw)
+  if isinstance(nonempty, bool):
+    state, p16, alpha = first()
+  else:
+    none = lambda: (softmax.init(cfg.block_q),
+                    common.zeros_accumulator((cfg.block_q, cfg.block_kv)).astype(dims.dtype),
+                    softmax.init(cfg.block_q).l)
+    state, p16, alpha = lax.cond(nonempty, first, none)
+  step = functools.partial(_overlapped_step, q_smem=refs.q_smem.at[wg], p_staging=p_staging,
+                           **at, **kw)
+  carry = (acc, state, p16, alpha)
+  for lo, hi, masked in _runs_after_first(own):
+    carry = common.fori(lo, hi, functools.partial(step, masked=masked), carry)
+  acc, state, p16, alpha = carry
+  last = functools.partial(_overlap_last, block=own.end - 1, opts=opts, p_staging=p_staging,
+                           **at)  # Issued within the caller's turn.
+  bars.take_turn(wg)  # Taken even when there is no last PV, to keep the count.
+  if isinstance(nonempty, bool):
+    acc = last(acc, p16, alpha)
+  else:
+    acc = lax.cond(nonempty, last, lambda acc, p16, alpha: acc, acc, p16, alpha)
+  bars.pass_turn(wg)
+  common.fori(own.end, cta.end, release, None)
+  return acc, state
+
+
+def _always_visits(opts: ForwardOptions) -> bool:
+  """Whether every row sees key 0 (no left window edge, a diagonal at or right of it, no key
+  lengths), so that no warpgroup's range of blocks is empty: the overlapped kv_loop then
+  needs no branch around its first and last block."""
+  spec = opts.mask
+  return (spec.left is None and spec.offset >= 0 and not opts.kv_lens
+          and (spec.upper is None or spec.offset + spec.upper >= 0))
+
+
+def _runs_after_first(own: masking.BlockRange):
+  """(lo, hi, masked) runs of `own`'s blocks after its first: masked, full, masked."""
+  static = all(isinstance(x, int) for x in own)
+  hi = max if static else jnp.maximum
+  nxt = own.first + 1
+  full_lo, full_hi = hi(own.full_lo, nxt), hi(own.full_hi, nxt)
+  end = hi(own.end, nxt)
+  return ((nxt, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True))
+
+
 def _load_q(wg, tile: scheduler.Tile, refs: _Refs, bars: pipeline.Barriers, block_q: int):
   """The warpgroup's Q tile, and with segment ids its rows' ids, each on its own barrier."""
   rows = pl.ds(tile.row0 + wg * block_q, block_q)
@@ -228,7 +376,10 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
   num_items = sched.items_of(cta)
   separate_o = refs.o_smem is not refs.q_smem
   _load_q(wg, sched.tile(cta, 0), refs, bars, cfg.block_q)
-  pl.when(wg == 1)(bars.sync_schedule)    # Warpgroup 1 runs one phase behind.
+  if _overlaps(opts):
+    pl.when(wg == 1)(lambda: bars.pass_turn(1))  # Warpgroup 0 issues first.
+  else:
+    pl.when(wg == 1)(bars.sync_schedule)    # Warpgroup 1 runs one phase behind.
 
   def tile_body(i, ring0):
     tile = sched.tile(cta, i)
@@ -236,7 +387,10 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
         pl.when(i + 1 < num_items),
         lambda: _load_q(wg, sched.tile(cta, i + 1), refs, bars, cfg.block_q))
     q_ids = _wait_q(wg, refs, bars)
-    acc, state = _attend(wg, tile, ring0, q_ids, refs, bars, dims, opts)
+    if _overlaps(opts):
+      acc, state = _attend_overlapped(wg, tile, ring0, refs, bars, dims, opts)
+    else:
+      acc, state = _attend(wg, tile, ring0, q_ids, refs, bars, dims, opts)
     if separate_o:  # Q is free now: fetch the next tile's under this epilogue.
       load_next_q()
     out, lse = softmax.finalize(state, acc)
@@ -248,7 +402,10 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     return ring0 + streamed.end - streamed.first
 
   lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
-  pl.when(wg == 0)(bars.sync_schedule)    # Match warpgroup 1's extra phase.
+  if _overlaps(opts):  # Observe the turn warpgroup 1 passed last, so no phase goes unseen.
+    pl.when(wg == 0)(lambda: bars.take_turn(0))
+  else:
+    pl.when(wg == 0)(bars.sync_schedule)    # Match warpgroup 1's extra phase.
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -332,7 +489,7 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
 
   pl.run_scoped(scoped, *scratch, *staging,
                 *pipeline.Barriers.types(cfg.num_stages, segments=opts.segments,
-                                         bias=bool(opts.bias)),
+                                         bias=bool(opts.bias), turns=_overlaps(opts)),
                 collective_axes="wg")
 
 
