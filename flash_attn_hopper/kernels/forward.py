@@ -97,6 +97,17 @@ def _bias_tile(bars: pipeline.Barriers, refs: _Refs, slot, wg, load: bool, opts=
   return tile
 
 
+def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segments=None):
+  """Block `step`'s raw logits into the online softmax: the bias (a loaded tile or None) and
+  the soft-cap, the element mask when `masked` (with the rows' and keys' segment ids when
+  given), then `softmax.update`: returns (state, p, α), the row sum not yet added."""
+  s, _ = opts.logits.transform(s, bias)
+  if masked:
+    s = masking.apply_element_mask(s, q0, step * opts.config.block_kv, seq_kv, opts.mask,
+                                   segments=segments)
+  return softmax.update(state, s, opts.logits.exp2_scale)
+
+
 def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring0, end,
              q_smem, p_staging, masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
@@ -116,11 +127,10 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   k_ids = _key_ids(bars, refs, slot, load=masked)
   # A bias tile comes with the masked (edge) blocks only; see `_attend`.
-  s, _ = opts.logits.transform(s, _bias_tile(bars, refs, slot, wg, load=masked, opts=opts))
-  if masked:
-    s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
-                                   segments=None if k_ids is None else (q_ids, k_ids))
-  state, p, alpha = softmax.update(state, s, opts.logits.exp2_scale)
+  bias = _bias_tile(bars, refs, slot, wg, load=masked, opts=opts)
+  state, p, alpha = _online_softmax(s, state, step, bias=bias,
+                                    segments=None if k_ids is None else (q_ids, k_ids),
+                                    opts=opts, q0=q0, seq_kv=seq_kv, masked=masked)
   acc = softmax.rescale(acc, alpha)
   p16 = p.astype(dims.dtype)
 
@@ -185,6 +195,16 @@ def _cta_kv_blocks(tile: scheduler.Tile, refs: _Refs, dims: common.Dims, opts: F
   return _kv_blocks(tile, tile.row0, opts.config.rows_per_cta, refs, dims, opts)
 
 
+def _warpgroup_blocks(wg, tile: scheduler.Tile, refs: _Refs, dims, opts: ForwardOptions):
+  """A compute warpgroup's first row, the keys of its batch element, the KV blocks its CTA
+  streams for the tile and its own part of them."""
+  q0 = tile.row0 + wg * opts.config.block_q
+  seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
+  cta = _cta_kv_blocks(tile, refs, dims, opts)
+  own = _kv_blocks(tile, q0, opts.config.block_q, refs, dims, opts).within(cta)
+  return q0, seq_kv, cta, own
+
+
 def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.Barriers, dims,
             opts):
   """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state.
@@ -192,10 +212,7 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
   The CTA streams blocks [cta.first, cta.end); this warpgroup computes on its own part of
   them and releases the rest, so that both warpgroups keep the same beat on the ring."""
   cfg = opts.config
-  q0 = tile.row0 + wg * cfg.block_q
-  seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
-  cta = _cta_kv_blocks(tile, refs, dims, opts)
-  own = _kv_blocks(tile, q0, cfg.block_q, refs, dims, opts).within(cta)
+  q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
   if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
     own = own.full_within(cta)
   ring0 = ring0 - cta.first  # Ring position of block 0.
@@ -222,10 +239,8 @@ def _overlaps(opts: ForwardOptions) -> bool:
 def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
   """Block `step`'s logits into the online softmax: returns (state, P in the inputs' dtype,
   α)."""
-  s, _ = opts.logits.transform(s, None)
-  if masked:
-    s = masking.apply_element_mask(s, q0, step * opts.config.block_kv, seq_kv, opts.mask)
-  state, p, alpha = softmax.update(state, s, opts.logits.exp2_scale)
+  state, p, alpha = _online_softmax(s, state, step, opts=opts, q0=q0, seq_kv=seq_kv,
+                                    masked=masked)
   p16 = p.astype(dims.dtype)
   state = softmax.add_row_sum(state, p)
   return state, p16, alpha
@@ -291,10 +306,7 @@ def _attend_overlapped(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipel
   to issue (`Barriers.turn`): one turn per block the CTA streams and one per tile (the last
   PV), so both take the same number whatever their own blocks."""
   cfg = opts.config
-  q0 = tile.row0 + wg * cfg.block_q
-  seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
-  cta = _cta_kv_blocks(tile, refs, dims, opts)
-  own = _kv_blocks(tile, q0, cfg.block_q, refs, dims, opts).within(cta)
+  q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
   ring0 = ring0 - cta.first
   kw = dict(dims=dims, opts=opts, q0=q0, seq_kv=seq_kv)
   at = dict(refs=refs, bars=bars, ring0=ring0, wg=wg)
