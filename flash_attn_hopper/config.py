@@ -55,7 +55,9 @@ class ForwardConfig:
     num_stages: K/V slots in the shared-memory ring, at least 2 so that a load overlaps compute.
     overlap_softmax: FA3's intra-warpgroup overlap: each step issues S = QKᵀ of its block and
       O += PV of the block before, and runs the softmax while PV is on the tensor cores
-      (one more S block in registers). Kernels with a bias or segment ids ignore it.
+      (one more S block in registers). Taken only where no block needs an element mask (no
+      causal or window band, key lengths, bias or segment ids, and S a multiple of
+      block_kv); elsewhere the plain loop runs.
   """
 
   block_q: int = 64
@@ -199,8 +201,9 @@ TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
 # it; the outputs were bitwise equal. It pays without causal at D 128 and 256 only:
 #   D 128: 1k 0.241 → 0.228, 4k 0.867 → 0.830, 16k 3.380 → 3.298
 #   D 256: 1k 0.238 → 0.224, 4k 0.832 → 0.772, 16k 3.217 → 2.983
-#   D 64 (block_kv 128 or 256) loses 11–28%; causal loses 25–44% at every D. Not understood:
-#   ptxas reports no spills at D 64 and 128 without causal (84 bytes at D 256 causal).
+#   D 64 (block_kv 128 or 256) loses 11–28%. With element-masked blocks (causal) it lost
+#   25–44%, and still 1–6% when the masked blocks were awaited before masking (ptxas injects
+#   `warpgroup.arrive` around the masked step), so it is taken only without them.
 
 
 # The backward kernels' blocks, keys (head_dim, is_causal). Tuned on an H200 with jax 0.11.2,

@@ -91,24 +91,31 @@ def test_jit_of_vmap_over_an_extra_batch_dim(rng):
 
 
 # FA3's intra-warpgroup overlap (`ForwardConfig.overlap_softmax`, the tuned choice at D 128
-# and 256 without causal): forced at D 64 with 64-key blocks over S = 250, so that the two
-# warpgroups' ranges differ (releases), a left window edge and key lengths leave ranges empty
-# (the branches around the first and last block), and a 0-length batch element sees nothing.
-OVERLAP_CASES = {
-    "causal": dict(is_causal=True),
-    "window": dict(local_window_size=(70, 20)),
-    "causal_kv_lengths": dict(is_causal=True, key_value_seq_lengths=jnp.array([250, 0, 97])),
-}
-
-
-@pytest.mark.parametrize("case", list(OVERLAP_CASES))
-def test_overlapped_softmax(rng, case):
-  kw = OVERLAP_CASES[case]
-  batch = 3 if "key_value_seq_lengths" in kw else 1
-  w = workloads.Workload("overlap_250x250", batch=batch, seq_q=250, seq_kv=250,
-                         num_q_heads=2, num_kv_heads=1, head_dim=64)
+# and 256 without causal): forced at D 64 with 64-key blocks, over S = 448 keys (seven
+# blocks: the ring wraps several times) and two CTAs that each take several tiles.
+def test_overlapped_softmax(rng):
+  w = workloads.Workload("overlap_300x448", batch=2, seq_q=300, seq_kv=448, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True)
   out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=cfg,
-                                       return_residual=True, **kw)
-  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
+                                       return_residual=True)
+  testing.check_attention(out, q, k, v, actual_lse=lse)
+
+
+@pytest.mark.parametrize("kw, overlaps", [
+    (dict(seq_kv=448), True),
+    (dict(seq_kv=448, is_causal=True), False),
+    (dict(seq_kv=448, local_window_size=(300, 300)), False),
+    (dict(seq_kv=448, kv_lens=True), False),
+    (dict(seq_kv=450), False),
+    (dict(seq_kv=448, segments=True), False),
+])
+def test_overlap_is_taken_only_without_masked_blocks(kw, overlaps):
+  from flash_attn_hopper import api
+  from flash_attn_hopper.kernels import forward
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True)
+  spec = api.mask_spec(300, kw["seq_kv"], is_causal=kw.pop("is_causal", False),
+                       local_window_size=kw.pop("local_window_size", None))
+  opts = forward.ForwardOptions(scale=0.1, mask=spec, config=cfg, interpret=True, **kw)
+  assert forward._overlaps(opts) is overlaps

@@ -16,7 +16,7 @@ each compute warpgroup runs:
     epilogue   O / l and the LSE through shared memory and TMA
 
 With `ForwardConfig.overlap_softmax` (FA3's intra-warpgroup overlap; tuned on at D 128 and 256
-without causal, and taken only without a bias or segment ids), `_attend_overlapped` runs the
+without causal, and taken only where no block needs an element mask), `_attend_overlapped` runs the
 loop shifted by one block: S of block j and PV of block j − 1 are issued together, and the
 softmax of S runs while PV is on the tensor cores. The warpgroups then take turns to issue
 (`Barriers.turn`) instead of meeting at the schedule barrier twice per block.
@@ -162,9 +162,8 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   return acc, state
 
 
-def _release_step(step, _, *, refs, bars, opts, ring0, wg=None):
-  """A block streamed for the other warpgroup only (masks): free its slot, keep the beat
-  (with the intra-warpgroup overlap, warpgroup `wg` takes and passes its turn)."""
+def _release_step(step, _, *, refs, bars, opts, ring0):
+  """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   _key_ids(bars, refs, slot, load=False)
@@ -173,12 +172,8 @@ def _release_step(step, _, *, refs, bars, opts, ring0, wg=None):
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   plgpu.barrier_arrive(bars.v_consumed.at[slot])
-  if _overlaps(opts):
-    bars.take_turn(wg)
-    bars.pass_turn(wg)
-  else:
-    bars.sync_schedule()
-    bars.sync_schedule()
+  bars.sync_schedule()
+  bars.sync_schedule()
 
 
 def _kv_blocks(tile: scheduler.Tile, q0, rows: int, refs: _Refs, dims, opts: ForwardOptions):
@@ -232,8 +227,14 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
 
 def _overlaps(opts: ForwardOptions) -> bool:
   """Whether the kv_loop takes FA3's intra-warpgroup overlap (`_attend_overlapped`): when the
-  config asks for it and no bias or key ids stream beside K and V."""
-  return opts.config.overlap_softmax and not opts.bias and not opts.segments
+  config asks for it and no block needs an element mask (no band, key lengths, bias or
+  segment ids, and S a whole number of blocks), so that every warpgroup visits every block
+  of its CTA unmasked. With masked blocks it measured slower than the plain loop on the
+  H200 (see `config.TUNED_FORWARD`), so those keep the plain loop."""
+  cfg = opts.config
+  return (cfg.overlap_softmax and not opts.bias and not opts.segments and not opts.kv_lens
+          and not opts.mask.banded
+          and (opts.seq_kv is None or opts.seq_kv % cfg.block_kv == 0))
 
 
 def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
@@ -246,7 +247,7 @@ def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
   return state, p16, alpha
 
 
-def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, masked, **kw):
+def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, **kw):
   """KV block `step` with the PV of block step − 1 under its softmax (FA3's intra-warpgroup
   overlap): S = QKᵀ and O += P·V are issued together, then the softmax of S runs while PV is
   on the tensor cores. `carry` is (O, state, P, α), P and α of block step − 1."""
@@ -260,7 +261,7 @@ def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, m
 
   def on_s(s):
     plgpu.barrier_arrive(bars.k_consumed.at[slot])
-    return _softmax_block(s, state, step, masked=masked, **kw)
+    return _softmax_block(s, state, step, masked=False, **kw)
 
   shape = (cfg.block_q, cfg.block_kv)
   bars.take_turn(wg)
@@ -272,8 +273,8 @@ def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, m
 
 
 def _overlap_first(block, *, refs, bars, ring0, wg, q_smem, **kw):
-  """The first block of an overlapped kv_loop: S and its softmax, no PV yet (always
-  element-masked: correct on a full block, and once per tile)."""
+  """The first block of an overlapped kv_loop: S and its softmax, no PV yet (element-masked:
+  a no-op on these blocks, once per tile; kept as measured)."""
   cfg = kw["opts"].config
   slot = pipeline.slot_of(ring0 + block, cfg.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
@@ -301,65 +302,26 @@ def _overlap_last(acc, p16, alpha, block, *, refs, bars, ring0, wg, opts, p_stag
 
 def _attend_overlapped(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers,
                        dims, opts):
-  """`_attend` with FA3's intra-warpgroup overlap: the first block's softmax, then per block
-  its S beside the previous block's PV, then the last block's PV. The warpgroups take turns
-  to issue (`Barriers.turn`): one turn per block the CTA streams and one per tile (the last
-  PV), so both take the same number whatever their own blocks."""
+  """`_attend` with FA3's intra-warpgroup overlap, for tiles whose blocks are all unmasked
+  (`_overlaps`): the first block's softmax, then per block its S beside the previous block's
+  PV, then the last block's PV. The warpgroups take turns to issue (`Barriers.turn`): one
+  turn per block and one per tile (the last PV)."""
   cfg = opts.config
   q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
+  assert own == cta, "the overlapped kv_loop visits every block of its CTA"
   ring0 = ring0 - cta.first
   kw = dict(dims=dims, opts=opts, q0=q0, seq_kv=seq_kv)
   at = dict(refs=refs, bars=bars, ring0=ring0, wg=wg)
-  release = functools.partial(_release_step, refs=refs, bars=bars, opts=opts, ring0=ring0,
-                              wg=wg)
   p_staging = None if refs.p_staging is None else refs.p_staging.at[wg]
   acc = common.zeros_accumulator((cfg.block_q, dims.head_dim))
-  nonempty = True if _always_visits(opts) else own.end > own.first
-
-  common.fori(cta.first, own.first, release, None)
-  first = lambda: _overlap_first(own.first, q_smem=refs.q_smem.at[wg], **at, **kw)
-  if isinstance(nonempty, bool):
-    state, p16, alpha = first()
-  else:
-    none = lambda: (softmax.init(cfg.block_q),
-                    common.zeros_accumulator((cfg.block_q, cfg.block_kv)).astype(dims.dtype),
-                    softmax.init(cfg.block_q).l)
-    state, p16, alpha = lax.cond(nonempty, first, none)
+  state, p16, alpha = _overlap_first(cta.first, q_smem=refs.q_smem.at[wg], **at, **kw)
   step = functools.partial(_overlapped_step, q_smem=refs.q_smem.at[wg], p_staging=p_staging,
                            **at, **kw)
-  carry = (acc, state, p16, alpha)
-  for lo, hi, masked in _runs_after_first(own):
-    carry = common.fori(lo, hi, functools.partial(step, masked=masked), carry)
-  acc, state, p16, alpha = carry
-  last = functools.partial(_overlap_last, block=own.end - 1, opts=opts, p_staging=p_staging,
-                           **at)  # Issued within the caller's turn.
-  bars.take_turn(wg)  # Taken even when there is no last PV, to keep the count.
-  if isinstance(nonempty, bool):
-    acc = last(acc, p16, alpha)
-  else:
-    acc = lax.cond(nonempty, last, lambda acc, p16, alpha: acc, acc, p16, alpha)
+  acc, state, p16, alpha = common.fori(cta.first + 1, cta.end, step, (acc, state, p16, alpha))
+  bars.take_turn(wg)
+  acc = _overlap_last(acc, p16, alpha, cta.end - 1, opts=opts, p_staging=p_staging, **at)
   bars.pass_turn(wg)
-  common.fori(own.end, cta.end, release, None)
   return acc, state
-
-
-def _always_visits(opts: ForwardOptions) -> bool:
-  """Whether every row sees key 0 (no left window edge, a diagonal at or right of it, no key
-  lengths), so that no warpgroup's range of blocks is empty: the overlapped kv_loop then
-  needs no branch around its first and last block."""
-  spec = opts.mask
-  return (spec.left is None and spec.offset >= 0 and not opts.kv_lens
-          and (spec.upper is None or spec.offset + spec.upper >= 0))
-
-
-def _runs_after_first(own: masking.BlockRange):
-  """(lo, hi, masked) runs of `own`'s blocks after its first: masked, full, masked."""
-  static = all(isinstance(x, int) for x in own)
-  hi = max if static else jnp.maximum
-  nxt = own.first + 1
-  full_lo, full_hi = hi(own.full_lo, nxt), hi(own.full_hi, nxt)
-  end = hi(own.end, nxt)
-  return ((nxt, full_lo, True), (full_lo, full_hi, False), (full_hi, end, True))
 
 
 def _load_q(wg, tile: scheduler.Tile, refs: _Refs, bars: pipeline.Barriers, block_q: int):
