@@ -197,6 +197,11 @@ class BlockRange(NamedTuple):
     full_hi = jnp.clip(jnp.minimum(self.full_hi, other.full_hi), full_lo, self.end)
     return BlockRange(self.first, full_lo, full_hi, self.end)
 
+  def edge_count(self, block):
+    """How many blocks of [first, block) lie outside the full run: the position of `block`
+    (traced, in [first, end]) among the blocks that need an element mask or a bias tile."""
+    return (block - self.first) - (jnp.clip(block, self.full_lo, self.full_hi) - self.full_lo)
+
   def is_full(self, block):
     """Whether `block` (traced) lies in [full_lo, full_hi)."""
     return jnp.logical_and(block >= self.full_lo, block < self.full_hi)

@@ -91,16 +91,18 @@ class Barriers:
             *((plgpu.Barrier(num_barriers=per_wg),) if turns else ()))
 
   def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None,
-                 bias_src=None, bias_smem=None, bias_needed=None) -> tuple:
+                 bias_src=None, bias_smem=None, bias_needed=None,
+                 bias_position=None) -> tuple:
     """K then V, each `src(step)` a block view, as ring streams; with segment ids, the keys'
     ids stream between them, and with a bias its tiles (the mask and the bias are needed
-    before P V), for the steps `bias_needed(step)` says (see `Stream.needed`)."""
+    before P V), a sparse stream of the steps `bias_needed(step)` says, at ring positions
+    `bias_position(step)` (see `Stream.position`)."""
     streams = [Stream(k_src, k_smem, self.k_ready, self.k_consumed)]
     if self.ids_ready is not None:
       streams.append(Stream(ids_src, ids_smem, self.ids_ready, self.ids_consumed))
     if self.bias_ready is not None:
       streams.append(Stream(bias_src, bias_smem, self.bias_ready, self.bias_consumed,
-                            bias_needed))
+                            bias_needed, bias_position))
     streams.append(Stream(v_src, v_smem, self.v_ready, self.v_consumed))
     return tuple(streams)
 
@@ -136,12 +138,18 @@ class Stream(NamedTuple):
       whose block is not needed still completes its slot's `ready` phase (the producer
       arrives without a copy), so that every barrier keeps one phase per step and consumers
       observe the slot as usual; they must not read it (a mask's fully visible tiles).
+    position: with `needed`, makes the stream sparse: step -> its ring position counted over
+      the needed steps only (and the steps of earlier tiles). Only needed blocks touch the
+      ring: the producer copies them to the slots of their positions, consumers observe
+      those steps alone, and a step that needs no block costs no barrier traffic (a bias
+      tile skipped on a fully visible block). `drain` then takes the needed steps' total.
   """
   src: Callable
   smem: object
   ready: object
   consumed: object
   needed: Callable | None = None
+  position: Callable | None = None
 
 
 def stream_barrier_types(num_stages: int) -> tuple:
@@ -163,6 +171,10 @@ def produce(streams, first_step, num_steps, num_stages: int):
     slot = slot_of(ring_step, num_stages)
     refill = ring_step >= num_stages  # The first pass over the ring has nothing to wait for.
     for stream in streams:
+      if stream.position is not None:
+        pl.when(stream.needed(step))(
+            lambda stream=stream: _copy_sparse(stream, step, num_stages))
+        continue
       pl.when(refill)(lambda stream=stream: plgpu.barrier_wait(stream.consumed.at[slot]))
       copy = lambda stream=stream: plgpu.copy_gmem_to_smem(
           stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
@@ -175,11 +187,38 @@ def produce(streams, first_step, num_steps, num_stages: int):
             lambda stream=stream: plgpu.barrier_arrive(stream.ready.at[slot]))
 
 
-def drain(streams, total_steps, num_stages: int):
+def _copy_sparse(stream: Stream, step, num_stages: int):
+  """A sparse stream's needed block `step` into the slot of its own ring position."""
+  position = stream.position(step)
+  slot = slot_of(position, num_stages)
+  pl.when(position >= num_stages)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
+  plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
+
+
+def release(stream: Stream, step, num_stages: int):
+  """A consumer's pass over `step` of a stream it does not read: observe the block and free
+  its slot (for a sparse stream, only when the step's block was streamed)."""
+  def free(slot):
+    plgpu.barrier_wait(stream.ready.at[slot])
+    plgpu.barrier_arrive(stream.consumed.at[slot])
+  if stream.position is None:
+    free(slot_of(step, num_stages))
+  else:
+    pl.when(stream.needed(step))(lambda: free(slot_of(stream.position(step), num_stages)))
+
+
+def drain(streams, total_steps, num_stages: int, sparse_total=None):
   """Waits for the last use of every slot, so that no phase of a consumed barrier goes
-  unobserved and no read of the ring is in flight when the CTA exits."""
-  @pl.loop(jnp.maximum(total_steps - num_stages, 0), total_steps)
-  def _drain(step):
-    slot = slot_of(step, num_stages)
-    for stream in streams:
-      plgpu.barrier_wait(stream.consumed.at[slot])
+  unobserved and no read of the ring is in flight when the CTA exits. A sparse stream
+  (`Stream.position`) drains over its own positions: `sparse_total` of them."""
+  dense = [stream for stream in streams if stream.position is None]
+  sparse = [stream for stream in streams if stream.position is not None]
+  for group, total in ((dense, total_steps), (sparse, sparse_total)):
+    if not group:
+      continue
+
+    @pl.loop(jnp.maximum(total - num_stages, 0), total)
+    def _drain(step, group=group):
+      slot = slot_of(step, num_stages)
+      for stream in group:
+        plgpu.barrier_wait(stream.consumed.at[slot])

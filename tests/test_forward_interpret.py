@@ -110,6 +110,7 @@ def test_overlapped_softmax(rng):
     (dict(seq_kv=448, kv_lens=True), False),
     (dict(seq_kv=450), False),
     (dict(seq_kv=448, segments=True), False),
+    (dict(seq_kv=448, bias=(False, False)), True),  # Beside the plain loop, tile by tile.
 ])
 def test_overlap_is_taken_only_without_masked_blocks(kw, overlaps):
   from flash_attn_hopper import api

@@ -114,3 +114,20 @@ def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
   mask = mask & (jnp.arange(s) < 1500)                                     # blocks skipped
   _check_forward_and_gradients(rng, q, k, v, is_causal=is_causal, mask=mask,
                                bias=bias if with_bias else None)
+
+
+@pytest.mark.parametrize("d", tiered([(128,), (256,)], lambda i, case: i == 0))
+def test_mask_with_fully_visible_tiles(rng, d):
+  """A mask whose tiles are of every kind, where the tuned forward overlaps (D 128 and 256
+  without causal): rows seeing random keys (element-masked blocks, the plain loop), rows
+  seeing every key (fully visible tiles: the overlapped loop, no bias tile streamed), rows
+  seeing none (no block streamed; jax.nn's mean of V), and rows seeing the keys before 1000
+  (blocks skipped, one edge block)."""
+  t = s = 2048
+  w = workloads.Workload("mask_tiles", batch=2, seq_q=t, seq_kv=s, num_q_heads=8,
+                         num_kv_heads=2, head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  rows, keys = np.arange(t)[:, None], np.arange(s)[None, :]
+  mask = np.select([rows < 512, rows < 1536, rows < 1792], [rng.random((t, s)) > 0.2, True,
+                                                             False], keys < 1000)
+  _check_forward_and_gradients(rng, q, k, v, mask=jnp.asarray(mask)[None, None])

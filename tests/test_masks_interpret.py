@@ -200,6 +200,21 @@ def test_bias_and_mask_match_reference(rng, t, s, d, is_causal, layout):
                                **kw)
 
 
+def test_mask_with_overlapped_tiles(rng):
+  """FA3's overlap beside a mask (forced at D 64): a tile whose CTA sees every block in full
+  takes the overlapped loop, the others the plain loop, and the sparse stream of bias tiles
+  carries its ring positions across a persistent CTA's tiles. Tiles of 128 rows: the first
+  is half masked, the second fully visible, the third sees no key (no block streamed), the
+  fourth masked and cut by T."""
+  t, s = 428, 448
+  q, k, v = _gqa_inputs(rng, 2, t, s, 64)
+  rows = np.arange(t)[:, None]
+  masked_rows = (rows < 64) | (rows >= 384)
+  mask = np.where(masked_rows, rng.random((t, s)) > 0.3, rows < 256)
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True)
+  _check_forward_and_gradients(rng, q, k, v, cfg, mask=jnp.asarray(mask)[None, None])
+
+
 def test_bias_gradient_matches_reference(rng):
   """The bias's own gradient (dS summed over its broadcast dims), for a random cotangent."""
   q, k, v = _gqa_inputs(rng, 2, 130, 170, 64)

@@ -313,11 +313,12 @@ def walk_head_runs(num_heads: int, steps_per_head, blocks_of, step, carry):
   return lax.fori_loop(0, num_heads, head, carry)
 
 
-def producer(streams, num_steps, num_stages: int):
-  """A producer warpgroup that streams one tile's blocks and exits."""
+def producer(streams, num_steps, num_stages: int, sparse_total=None):
+  """A producer warpgroup that streams one tile's blocks and exits (`sparse_total`: the
+  blocks a sparse stream copies, see `pipeline.drain`)."""
   plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
   pipeline.produce(streams, 0, num_steps, num_stages)
-  pipeline.drain(streams, num_steps, num_stages)
+  pipeline.drain(streams, num_steps, num_stages, sparse_total)
 
 
 def specialize(compute: Callable, produce: Callable) -> None:

@@ -76,14 +76,15 @@ def _key_ids(ids_s, slot, load: bool):
   return ids
 
 
-def _bias_tile(bias_s, slot, wg, load: bool, opts=None):
-  """With a bias (`bias_s` is its stream), observes the slot and, when `load` (a masked
-  block: only those get a tile, see `_compute_warpgroup`), returns this warpgroup's rows of
-  its tile, float32 in the logits' layout; else None."""
+def _bias_tile(bias_s, ring_step, wg, num_stages: int, opts):
+  """With a bias (`bias_s` is its sparse stream, see `_entry`), this warpgroup's
+  rows of the tile of ring step `ring_step` (a masked block: only those get one), float32 in
+  the logits' layout; else None."""
   if bias_s is None:
     return None
+  slot = pipeline.slot_of(bias_s.position(ring_step), num_stages)
   plgpu.barrier_wait(bias_s.ready.at[slot])
-  tile = common.bias_values(bias_s.smem.at[slot, wg][...], opts) if load else None
+  tile = common.bias_values(bias_s.smem.at[slot, wg][...], opts)
   plgpu.barrier_arrive(bias_s.consumed.at[slot])
   return tile
 
@@ -96,7 +97,8 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
   plgpu.barrier_wait(k_s.ready.at[slot])
 
   def probabilities(s):  # Under dP, when the two are issued together.
-    s, cap_grad = opts.logits.transform(s, _bias_tile(bias_s, slot, wg, load=masked, opts=opts))
+    bias = _bias_tile(bias_s, ring0 + step, wg, cfg.dq_stages, opts) if masked else None
+    s, cap_grad = opts.logits.transform(s, bias)
     k_ids = _key_ids(ids_s, slot, load=masked)
     if masked:
       s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
@@ -123,11 +125,10 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
 
 
 def _release_step(step, _, *, ring0, streams, num_stages):
-  """A block streamed for the other warpgroup only (masks): observe it and free its slot."""
-  slot = pipeline.slot_of(ring0 + step, num_stages)
+  """A block streamed for the other warpgroup only (masks): observe it and free its slot
+  (a sparse stream's only when it streamed the block)."""
   for stream in streams:
-    plgpu.barrier_wait(stream.ready.at[slot])
-    plgpu.barrier_arrive(stream.consumed.at[slot])
+    pipeline.release(stream, ring0 + step, num_stages)
 
 
 #: Per-warpgroup tile loads, each on its own barrier: Q, dO, the LSE, δ (and the rows' ids).
@@ -248,15 +249,17 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
     if opts.segments:
       srcs.insert(1, lambda step: masks.kv_ids.at[tile.batch, rows(step)])
       rings.insert(1, ids_ring)
-    needed = [None] * len(srcs)
+    sparse = [(None, None)] * len(srcs)
     if opts.bias:  # No tile where the bias is zero for every row of the CTA.
-      needed[-2] = lambda step: ~cta.is_full(cta.first + step)
-    streams = tuple(pipeline.Stream(*stream) for stream in zip(
-        srcs, rings, ring_barriers[::2], ring_barriers[1::2], needed))
+      sparse[-2] = (lambda step: ~cta.is_full(cta.first + step),
+                    lambda step: cta.edge_count(cta.first + step))
+    streams = tuple(pipeline.Stream(*stream, *needs) for *stream, needs in zip(
+        srcs, rings, ring_barriers[::2], ring_barriers[1::2], sparse))
     common.specialize(
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, seq_kv, dims,
                                       opts),
-        lambda: common.producer(streams, cta.end - cta.first, stages))
+        lambda: common.producer(streams, cta.end - cta.first, stages,
+                                sparse_total=cta.edge_count(cta.end)))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 

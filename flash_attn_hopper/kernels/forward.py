@@ -16,14 +16,17 @@ each compute warpgroup runs:
     epilogue   O / l and the LSE through shared memory and TMA
 
 With `ForwardConfig.overlap_softmax` (FA3's intra-warpgroup overlap; tuned on at D 128 and 256
-without causal, and taken only where no block needs an element mask), `_attend_overlapped` runs the
-loop shifted by one block: S of block j and PV of block j − 1 are issued together, and the
-softmax of S runs while PV is on the tensor cores. The warpgroups then take turns to issue
-(`Barriers.turn`) instead of meeting at the schedule barrier twice per block.
+without causal, and taken only where no block needs an element mask: with a bias or a mask, by
+the tiles whose CTA sees every block in full), `_attend_overlapped` runs the loop shifted by
+one block: S of block j and PV of block j − 1 are issued together, and the softmax of S runs
+while PV is on the tensor cores. The warpgroups then take turns to issue (`Barriers.turn`)
+instead of meeting at the schedule barrier twice per block.
 
 Rows past T and keys past S are zero-filled by TMA on load and clipped on store; keys past S
 are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work. With segment ids, each warpgroup's
-rows' ids come with its Q tile and the keys' ids stream through the ring between K and V.
+rows' ids come with its Q tile and the keys' ids stream through the ring between K and V. A
+bias (or a mask) streams its tiles for the blocks the CTA does not see in full only, on a
+sparse stream of its own ring positions (`_Ring`), so a fully visible block costs nothing.
 """
 
 from __future__ import annotations
@@ -76,6 +79,27 @@ class _Refs(NamedTuple):
   bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_q, block_kv)
 
 
+class _Ring(NamedTuple):
+  """Ring positions at the start of a tile (the ring runs on across a persistent CTA's
+  tiles): the K/V ring's, and the bias stream's (None without a bias), which counts only
+  the blocks that got a tile (`pipeline.Stream.position`)."""
+  kv: jax.Array
+  bias: jax.Array | None
+
+  @classmethod
+  def start(cls, opts) -> "_Ring":
+    return cls(jnp.int32(0), jnp.int32(0) if opts.bias else None)
+
+  def after(self, blocks: masking.BlockRange) -> "_Ring":
+    """The positions after a tile that streamed `blocks`."""
+    return _Ring(self.kv + (blocks.end - blocks.first),
+                 None if self.bias is None else self.bias + blocks.edge_count(blocks.end))
+
+  def bias_position(self, blocks: masking.BlockRange, block):
+    """The bias stream's ring position of `block`, one the CTA does not see in full."""
+    return self.bias + blocks.edge_count(block)
+
+
 def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
   """With segment ids, observes the slot's key ids (and loads them when `load`); else None."""
   if refs.ids_ring is None:
@@ -86,15 +110,29 @@ def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
   return ids
 
 
-def _bias_tile(bars: pipeline.Barriers, refs: _Refs, slot, wg, load: bool, opts=None):
-  """With a bias, observes the slot's tile (and loads warpgroup `wg`'s rows of it, float32,
-  in the logits' layout, when `load`); else None."""
+def _bias_tile(bars: pipeline.Barriers, refs: _Refs, bias_slot, step, wg, opts):
+  """With a bias, warpgroup `wg`'s rows of block `step`'s tile (in ring slot
+  `bias_slot(step)`), float32 in the logits' layout; else None. The bias stream is sparse:
+  only the blocks that the CTA does not see in full have a tile (see `_attend`)."""
   if refs.bias_ring is None:
     return None
+  slot = bias_slot(step)
   plgpu.barrier_wait(bars.bias_ready.at[slot])
-  tile = common.bias_values(refs.bias_ring.at[slot, wg][...], opts) if load else None
+  tile = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
   plgpu.barrier_arrive(bars.bias_consumed.at[slot])
   return tile
+
+
+def _release_bias_tile(bars: pipeline.Barriers, refs: _Refs, bias_slot, step, cta):
+  """With a bias, observes and frees block `step`'s tile when the CTA streamed one."""
+  if refs.bias_ring is None:
+    return
+
+  @pl.when(~cta.is_full(step))
+  def _():
+    slot = bias_slot(step)
+    plgpu.barrier_wait(bars.bias_ready.at[slot])
+    plgpu.barrier_arrive(bars.bias_consumed.at[slot])
 
 
 def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segments=None):
@@ -109,11 +147,12 @@ def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segm
 
 
 def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring0, end,
-             q_smem, p_staging, masked):
+             bias_slot, q_smem, p_staging, masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
   `ring0 + step` is block `step`'s ring position (the ring runs on across tiles); `end` is
-  the end of this warpgroup's blocks; `q_ids` are its rows' segment ids, or None."""
+  the end of this warpgroup's blocks; `q_ids` are its rows' segment ids, or None;
+  `bias_slot(step)` is the slot of a masked block's bias tile."""
   acc, state = carry
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
@@ -127,7 +166,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   k_ids = _key_ids(bars, refs, slot, load=masked)
   # A bias tile comes with the masked (edge) blocks only; see `_attend`.
-  bias = _bias_tile(bars, refs, slot, wg, load=masked, opts=opts)
+  bias = _bias_tile(bars, refs, bias_slot, step, wg, opts) if masked else None
   state, p, alpha = _online_softmax(s, state, step, bias=bias,
                                     segments=None if k_ids is None else (q_ids, k_ids),
                                     opts=opts, q0=q0, seq_kv=seq_kv, masked=masked)
@@ -162,12 +201,12 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   return acc, state
 
 
-def _release_step(step, _, *, refs, bars, opts, ring0):
+def _release_step(step, _, *, refs, bars, opts, ring0, cta, bias_slot):
   """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   _key_ids(bars, refs, slot, load=False)
-  _bias_tile(bars, refs, slot, None, load=False)
+  _release_bias_tile(bars, refs, bias_slot, step, cta)
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
@@ -200,8 +239,8 @@ def _warpgroup_blocks(wg, tile: scheduler.Tile, refs: _Refs, dims, opts: Forward
   return q0, seq_kv, cta, own
 
 
-def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.Barriers, dims,
-            opts):
+def _attend(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
+            bars: pipeline.Barriers, dims, opts):
   """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state.
 
   The CTA streams blocks [cta.first, cta.end); this warpgroup computes on its own part of
@@ -210,12 +249,14 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
   q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
   if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
     own = own.full_within(cta)
-  ring0 = ring0 - cta.first  # Ring position of block 0.
+  ring0 = ring.kv - cta.first  # Ring position of block 0.
+  bias_slot = lambda block: pipeline.slot_of(ring.bias_position(cta, block), cfg.num_stages)
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, wg=wg, q0=q0,
                            q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
-                           q_smem=refs.q_smem.at[wg],
+                           bias_slot=bias_slot, q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
-  release = functools.partial(_release_step, refs=refs, bars=bars, opts=opts, ring0=ring0)
+  release = functools.partial(_release_step, refs=refs, bars=bars, opts=opts, ring0=ring0,
+                              cta=cta, bias_slot=bias_slot)
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
@@ -226,15 +267,41 @@ def _attend(wg, tile: scheduler.Tile, ring0, q_ids, refs: _Refs, bars: pipeline.
 
 
 def _overlaps(opts: ForwardOptions) -> bool:
-  """Whether the kv_loop takes FA3's intra-warpgroup overlap (`_attend_overlapped`): when the
-  config asks for it and no block needs an element mask (no band, key lengths, bias or
-  segment ids, and S a whole number of blocks), so that every warpgroup visits every block
-  of its CTA unmasked. With masked blocks it measured slower than the plain loop on the
-  H200 (see `config.TUNED_FORWARD`), so those keep the plain loop."""
+  """Whether the kernel has FA3's intra-warpgroup overlap (`_attend_overlapped`): when the
+  config asks for it and no block needs an element mask (no band, key lengths or segment
+  ids, and S a whole number of blocks), so that every warpgroup visits every block of its
+  CTA unmasked. With masked blocks it measured slower than the plain loop on the H200 (see
+  `config.TUNED_FORWARD`), so those keep the plain loop: with a bias (a mask), a tile takes
+  the overlap when its CTA sees every block in full, else the plain loop (`_attend_tile`)."""
   cfg = opts.config
-  return (cfg.overlap_softmax and not opts.bias and not opts.segments and not opts.kv_lens
+  return (cfg.overlap_softmax and not opts.segments and not opts.kv_lens
           and not opts.mask.banded
           and (opts.seq_kv is None or opts.seq_kv % cfg.block_kv == 0))
+
+
+def _attend_tile(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
+                 bars: pipeline.Barriers, dims, opts):
+  """The kv_loop of one warpgroup over one tile, overlapped or plain (see `_overlaps`). Both
+  warpgroups choose alike: from their CTA's blocks."""
+  overlapped = lambda: _attend_overlapped(wg, tile, ring, refs, bars, dims, opts)
+  plain = lambda: _attend(wg, tile, ring, q_ids, refs, bars, dims, opts)
+  if not _overlaps(opts):
+    return plain()
+  if not opts.bias:
+    return overlapped()
+
+  def plain_tile():
+    # Warpgroup 1's phase offset on the schedule barrier begins and ends with the tile (in
+    # a kernel of one loop it spans the kernel): otherwise warpgroup 1 would wait at its
+    # last block's rendezvous for warpgroup 0, which may be on to an overlapped tile and
+    # waiting for warpgroup 1's turn.
+    pl.when(wg == 1)(bars.sync_schedule)
+    result = plain()
+    pl.when(wg == 0)(bars.sync_schedule)
+    return result
+  cta = _cta_kv_blocks(tile, refs, dims, opts)
+  in_full = (cta.first < cta.end) & (cta.full_lo == cta.first) & (cta.full_hi == cta.end)
+  return lax.cond(in_full, overlapped, plain_tile)
 
 
 def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
@@ -300,16 +367,18 @@ def _overlap_last(acc, p16, alpha, block, *, refs, bars, ring0, wg, opts, p_stag
   return acc
 
 
-def _attend_overlapped(wg, tile: scheduler.Tile, ring0, refs: _Refs, bars: pipeline.Barriers,
-                       dims, opts):
+def _attend_overlapped(wg, tile: scheduler.Tile, ring: _Ring, refs: _Refs,
+                       bars: pipeline.Barriers, dims, opts):
   """`_attend` with FA3's intra-warpgroup overlap, for tiles whose blocks are all unmasked
-  (`_overlaps`): the first block's softmax, then per block its S beside the previous block's
-  PV, then the last block's PV. The warpgroups take turns to issue (`Barriers.turn`): one
-  turn per block and one per tile (the last PV)."""
+  (`_overlaps`, `_attend_tile`): the first block's softmax, then per block its S beside the
+  previous block's PV, then the last block's PV. The warpgroups take turns to issue
+  (`Barriers.turn`): one turn per block and one per tile (the last PV). The tile streams
+  no bias tile (every block is fully visible), so the bias stream is not touched."""
   cfg = opts.config
   q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
-  assert own == cta, "the overlapped kv_loop visits every block of its CTA"
-  ring0 = ring0 - cta.first
+  if not opts.bias:  # With a bias, `_attend_tile` checked it at run time.
+    assert own == cta, "the overlapped kv_loop visits every block of its CTA"
+  ring0 = ring.kv - cta.first
   kw = dict(dims=dims, opts=opts, q0=q0, seq_kv=seq_kv)
   at = dict(refs=refs, bars=bars, ring0=ring0, wg=wg)
   p_staging = None if refs.p_staging is None else refs.p_staging.at[wg]
@@ -355,16 +424,13 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
   else:
     pl.when(wg == 1)(bars.sync_schedule)    # Warpgroup 1 runs one phase behind.
 
-  def tile_body(i, ring0):
+  def tile_body(i, ring: _Ring):
     tile = sched.tile(cta, i)
     load_next_q = functools.partial(
         pl.when(i + 1 < num_items),
         lambda: _load_q(wg, sched.tile(cta, i + 1), refs, bars, cfg.block_q))
     q_ids = _wait_q(wg, refs, bars)
-    if _overlaps(opts):
-      acc, state = _attend_overlapped(wg, tile, ring0, refs, bars, dims, opts)
-    else:
-      acc, state = _attend(wg, tile, ring0, q_ids, refs, bars, dims, opts)
+    acc, state = _attend_tile(wg, tile, ring, q_ids, refs, bars, dims, opts)
     if separate_o:  # Q is free now: fetch the next tile's under this epilogue.
       load_next_q()
     out, lse = softmax.finalize(state, acc)
@@ -372,10 +438,9 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     if not separate_o:  # O went out through Q's buffer: wait until TMA has read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_next_q()
-    streamed = _cta_kv_blocks(tile, refs, dims, opts)
-    return ring0 + streamed.end - streamed.first
+    return ring.after(_cta_kv_blocks(tile, refs, dims, opts))
 
-  lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
+  lax.fori_loop(0, num_items, tile_body, _Ring.start(opts))
   if _overlaps(opts):  # Observe the turn warpgroup 1 passed last, so no phase goes unseen.
     pl.when(wg == 0)(lambda: bars.take_turn(0))
   else:
@@ -402,7 +467,7 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   cta = lax.axis_index("cta")
   group = dims.group
 
-  def tile_body(i, ring0):
+  def tile_body(i, ring: _Ring):
     tile = sched.tile(cta, i)
     kv_head = tile.head // group  # GQA: no repeated K/V.
     blocks = _cta_kv_blocks(tile, refs, dims, opts)
@@ -416,14 +481,15 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                                                              tile.head, tile.row0, rows(step)),
                               refs.bias_ring,
                               # No tile where the bias is zero for every row of the CTA.
-                              lambda step: ~blocks.is_full(blocks.first + step))
-    num_steps = blocks.end - blocks.first
-    pipeline.produce(streams, ring0, num_steps, cfg.num_stages)
-    return ring0 + num_steps
+                              lambda step: ~blocks.is_full(blocks.first + step),
+                              lambda step: ring.bias_position(blocks, blocks.first + step))
+    pipeline.produce(streams, ring.kv, blocks.end - blocks.first, cfg.num_stages)
+    return ring.after(blocks)
 
-  total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
+  total = lax.fori_loop(0, sched.items_of(cta), tile_body, _Ring.start(opts))
   pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring,
-                                 None, refs.bias_ring), total, cfg.num_stages)
+                                 None, refs.bias_ring, bias_position=lambda step: step),
+                 total.kv, cfg.num_stages, sparse_total=total.bias)
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
