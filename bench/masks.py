@@ -17,7 +17,8 @@ Times four things in one run on a Hopper GPU, forward and forward+backward, bf16
   queries), as a model's step uses one mask: its preparation is paid once per step, not per
   layer.
 
-Each line prints the two medians and their ratio; off Hopper, tiny shapes run in interpret mode
+Each line prints the two medians and their ratio, the two sides timed in interleaved rounds;
+off Hopper, tiny shapes run in interpret mode
 with the wall-clock timer (a smoke run only).
 """
 
@@ -37,8 +38,20 @@ from bench import timing
 PACKED_DOCUMENTS = 8
 
 
-def _time(fn, args, timer: str, repeats: int) -> float:
-  return timing.median(timing.measure_ms(timer, jax.jit(fn), args, repeats))
+def _time_pair(fns, args, timer: str, repeats: int, rounds: int) -> list[float]:
+  """The median ms of each of `fns` on its `args`, timed in `rounds` interleaved rounds of
+  ⌈repeats / rounds⌉ runs: the GPU's clock drifts by up to ~10% within a run, and timing one
+  side after the other put that drift into the ratio (a fully visible window, the very
+  kernel of its baseline, read 0.90× that way on the H200)."""
+  fns = [jax.jit(fn) for fn in fns]
+  for fn, a in zip(fns, args):
+    jax.block_until_ready(fn(*a))
+  per_round = -(-repeats // rounds)
+  times = [[] for _ in fns]
+  for _ in range(rounds):
+    for fn, a, out in zip(fns, args, times):
+      out.extend(timing.measure_ms(timer, fn, a, per_round))
+  return [timing.median(t) for t in times]
 
 
 def _split_arrays(kw: dict) -> tuple[dict, dict]:
@@ -53,6 +66,8 @@ def main() -> int:
   parser.add_argument("--packed-tokens", type=int, default=16384, help="T = S when packed")
   parser.add_argument("--window", type=int, default=1024)
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=5,
+                      help="interleaved rounds over which the repeats are spread")
   parser.add_argument("--timer", default="auto", choices=timing.TIMERS)
   parser.add_argument("--layers", type=int, default=8, help="layers sharing one mask")
   parser.add_argument("--only", default="", help="run the pairs whose name contains this")
@@ -93,10 +108,11 @@ def main() -> int:
       inputs[seq] = (make((b, seq, n, d)), make((b, seq, kv, d)), make((b, seq, kv, d)),
                      make((b, seq, n, d)))
     for pass_name in programs.PASSES:
-      t_masked, t_base = (_time(programs.program(pass_name, layers=layers,
-                                                 interpret=not on_gpu, **kw),
-                                (*inputs[seq], arrays), timer, args.repeats)
-                          for kw, arrays in map(_split_arrays, (masked, base)))
+      sides = [_split_arrays(kw) for kw in (masked, base)]
+      t_masked, t_base = _time_pair(
+          [programs.program(pass_name, layers=layers, interpret=not on_gpu, **kw)
+           for kw, _ in sides], [(*inputs[seq], arrays) for _, arrays in sides],
+          timer, args.repeats, args.rounds)
       print(f"{name:44s} T {seq:6d} {pass_name:8s} {t_masked:9.3f} {t_base:9.3f}  "
             f"base/masked {t_base / t_masked:5.2f}x", flush=True)
   return 0
