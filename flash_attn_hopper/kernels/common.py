@@ -195,6 +195,19 @@ def bias_values(tile, opts: AttentionOptions):
   return tile.astype(jnp.float32)
 
 
+def bias_tile(bias_s, step, wg, num_stages: int, opts: AttentionOptions):
+  """With a bias (`bias_s` is its sparse stream: only the blocks a CTA does not see in full
+  have a tile, see `pipeline.Stream.position`), warpgroup `wg`'s rows of step `step`'s tile,
+  float32 in the logits' layout; else None."""
+  if bias_s is None:
+    return None
+  slot = pipeline.slot_of(bias_s.position(step), num_stages)
+  plgpu.barrier_wait(bias_s.ready.at[slot])
+  tile = bias_values(bias_s.smem.at[slot, wg][...], opts)
+  plgpu.barrier_arrive(bias_s.consumed.at[slot])
+  return tile
+
+
 def bias_index(batch, head, opts: AttentionOptions):
   """The (batch, head) of the bias a tile reads: 0 along a dimension the bias broadcasts."""
   batched, per_head = opts.bias

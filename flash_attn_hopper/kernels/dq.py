@@ -76,19 +76,6 @@ def _key_ids(ids_s, slot, load: bool):
   return ids
 
 
-def _bias_tile(bias_s, ring_step, wg, num_stages: int, opts):
-  """With a bias (`bias_s` is its sparse stream, see `_entry`), this warpgroup's
-  rows of the tile of ring step `ring_step` (a masked block: only those get one), float32 in
-  the logits' layout; else None."""
-  if bias_s is None:
-    return None
-  slot = pipeline.slot_of(bias_s.position(ring_step), num_stages)
-  plgpu.barrier_wait(bias_s.ready.at[slot])
-  tile = common.bias_values(bias_s.smem.at[slot, wg][...], opts)
-  plgpu.barrier_arrive(bias_s.consumed.at[slot])
-  return tile
-
-
 def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
              bias_s, refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
@@ -97,7 +84,7 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
   plgpu.barrier_wait(k_s.ready.at[slot])
 
   def probabilities(s):  # Under dP, when the two are issued together.
-    bias = _bias_tile(bias_s, ring0 + step, wg, cfg.dq_stages, opts) if masked else None
+    bias = common.bias_tile(bias_s, ring0 + step, wg, cfg.dq_stages, opts) if masked else None
     s, cap_grad = opts.logits.transform(s, bias)
     k_ids = _key_ids(ids_s, slot, load=masked)
     if masked:

@@ -110,31 +110,6 @@ def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
   return ids
 
 
-def _bias_tile(bars: pipeline.Barriers, refs: _Refs, bias_slot, step, wg, opts):
-  """With a bias, warpgroup `wg`'s rows of block `step`'s tile (in ring slot
-  `bias_slot(step)`), float32 in the logits' layout; else None. The bias stream is sparse:
-  only the blocks that the CTA does not see in full have a tile (see `_attend`)."""
-  if refs.bias_ring is None:
-    return None
-  slot = bias_slot(step)
-  plgpu.barrier_wait(bars.bias_ready.at[slot])
-  tile = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
-  plgpu.barrier_arrive(bars.bias_consumed.at[slot])
-  return tile
-
-
-def _release_bias_tile(bars: pipeline.Barriers, refs: _Refs, bias_slot, step, cta):
-  """With a bias, observes and frees block `step`'s tile when the CTA streamed one."""
-  if refs.bias_ring is None:
-    return
-
-  @pl.when(~cta.is_full(step))
-  def _():
-    slot = bias_slot(step)
-    plgpu.barrier_wait(bars.bias_ready.at[slot])
-    plgpu.barrier_arrive(bars.bias_consumed.at[slot])
-
-
 def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segments=None):
   """Block `step`'s raw logits into the online softmax: the bias (a loaded tile or None) and
   the soft-cap, the element mask when `masked` (with the rows' and keys' segment ids when
@@ -147,12 +122,12 @@ def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segm
 
 
 def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring0, end,
-             bias_slot, q_smem, p_staging, masked):
+             bias_s, q_smem, p_staging, masked):
   """KV block `step` of a tile for one compute warpgroup: S = QKᵀ, mask, softmax, O += PV.
 
   `ring0 + step` is block `step`'s ring position (the ring runs on across tiles); `end` is
   the end of this warpgroup's blocks; `q_ids` are its rows' segment ids, or None;
-  `bias_slot(step)` is the slot of a masked block's bias tile."""
+  `bias_s` is the bias's sparse stream (None without a bias; see `_attend`)."""
   acc, state = carry
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
@@ -166,7 +141,7 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   k_ids = _key_ids(bars, refs, slot, load=masked)
   # A bias tile comes with the masked (edge) blocks only; see `_attend`.
-  bias = _bias_tile(bars, refs, bias_slot, step, wg, opts) if masked else None
+  bias = common.bias_tile(bias_s, step, wg, cfg.num_stages, opts) if masked else None
   state, p, alpha = _online_softmax(s, state, step, bias=bias,
                                     segments=None if k_ids is None else (q_ids, k_ids),
                                     opts=opts, q0=q0, seq_kv=seq_kv, masked=masked)
@@ -201,12 +176,13 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   return acc, state
 
 
-def _release_step(step, _, *, refs, bars, opts, ring0, cta, bias_slot):
+def _release_step(step, _, *, refs, bars, opts, ring0, bias_s):
   """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
   _key_ids(bars, refs, slot, load=False)
-  _release_bias_tile(bars, refs, bias_slot, step, cta)
+  if bias_s is not None:  # Sparse: only a block the CTA does not see in full has a tile.
+    pipeline.release(bias_s, step, opts.config.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
@@ -250,13 +226,16 @@ def _attend(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
   if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
     own = own.full_within(cta)
   ring0 = ring.kv - cta.first  # Ring position of block 0.
-  bias_slot = lambda block: pipeline.slot_of(ring.bias_position(cta, block), cfg.num_stages)
+  bias_s = None if refs.bias_ring is None else pipeline.Stream(  # The consumers' view.
+      None, refs.bias_ring, bars.bias_ready, bars.bias_consumed,
+      needed=lambda block: ~cta.is_full(block),
+      position=lambda block: ring.bias_position(cta, block))
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, wg=wg, q0=q0,
                            q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
-                           bias_slot=bias_slot, q_smem=refs.q_smem.at[wg],
+                           bias_s=bias_s, q_smem=refs.q_smem.at[wg],
                            p_staging=None if refs.p_staging is None else refs.p_staging.at[wg])
   release = functools.partial(_release_step, refs=refs, bars=bars, opts=opts, ring0=ring0,
-                              cta=cta, bias_slot=bias_slot)
+                              bias_s=bias_s)
   acc = plgpu.layout_cast(jnp.zeros((cfg.block_q, dims.head_dim), jnp.float32),
                           plgpu.Layout.WGMMA)
   carry = (acc, softmax.init(cfg.block_q))
