@@ -56,8 +56,8 @@ class ForwardConfig:
     overlap_softmax: FA3's intra-warpgroup overlap: each step issues S = QKᵀ of its block and
       O += PV of the block before, and runs the softmax while PV is on the tensor cores
       (one more S block in registers). Taken only where no block needs an element mask (no
-      causal or window band, key lengths, bias or segment ids, and S a multiple of
-      block_kv); elsewhere the plain loop runs.
+      causal or window band, key lengths or segment ids, and S a multiple of block_kv; with a
+      bias or a mask, by the tiles it leaves fully visible); elsewhere the plain loop runs.
   """
 
   block_q: int = 64
