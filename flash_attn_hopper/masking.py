@@ -202,6 +202,16 @@ class BlockRange(NamedTuple):
     (traced, in [first, end]) among the blocks that need an element mask or a bias tile."""
     return (block - self.first) - (jnp.clip(block, self.full_lo, self.full_hi) - self.full_lo)
 
+  def edge_steps(self, first=None, base=None):
+    """A sparse stream over the blocks outside the full run (`pipeline.Stream.needed` and
+    `.position`): step -> whether block `first + step` (`step` itself when `first` is None)
+    needs a tile, and its ring position, `base` (None: 0) plus its `edge_count`."""
+    block = (lambda step: step) if first is None else (lambda step: first + step)
+    needed = lambda step: ~self.is_full(block(step))
+    if base is None:
+      return needed, lambda step: self.edge_count(block(step))
+    return needed, lambda step: base + self.edge_count(block(step))
+
   def is_full(self, block):
     """Whether `block` (traced) lies in [full_lo, full_hi)."""
     return jnp.logical_and(block >= self.full_lo, block < self.full_hi)

@@ -238,8 +238,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
       rings.insert(1, ids_ring)
     sparse = [(None, None)] * len(srcs)
     if opts.bias:  # No tile where the bias is zero for every row of the CTA.
-      sparse[-2] = (lambda step: ~cta.is_full(cta.first + step),
-                    lambda step: cta.edge_count(cta.first + step))
+      sparse[-2] = cta.edge_steps(first=cta.first)
     streams = tuple(pipeline.Stream(*stream, *needs) for *stream, needs in zip(
         srcs, rings, ring_barriers[::2], ring_barriers[1::2], sparse))
     common.specialize(

@@ -95,10 +95,6 @@ class _Ring(NamedTuple):
     return _Ring(self.kv + (blocks.end - blocks.first),
                  None if self.bias is None else self.bias + blocks.edge_count(blocks.end))
 
-  def bias_position(self, blocks: masking.BlockRange, block):
-    """The bias stream's ring position of `block`, one the CTA does not see in full."""
-    return self.bias + blocks.edge_count(block)
-
 
 def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
   """With segment ids, observes the slot's key ids (and loads them when `load`); else None."""
@@ -228,8 +224,7 @@ def _attend(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
   ring0 = ring.kv - cta.first  # Ring position of block 0.
   bias_s = None if refs.bias_ring is None else pipeline.Stream(  # The consumers' view.
       None, refs.bias_ring, bars.bias_ready, bars.bias_consumed,
-      needed=lambda block: ~cta.is_full(block),
-      position=lambda block: ring.bias_position(cta, block))
+      *cta.edge_steps(base=ring.bias))
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, wg=wg, q0=q0,
                            q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
                            bias_s=bias_s, q_smem=refs.q_smem.at[wg],
@@ -460,8 +455,7 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                                                              tile.head, tile.row0, rows(step)),
                               refs.bias_ring,
                               # No tile where the bias is zero for every row of the CTA.
-                              lambda step: ~blocks.is_full(blocks.first + step),
-                              lambda step: ring.bias_position(blocks, blocks.first + step))
+                              *blocks.edge_steps(first=blocks.first, base=ring.bias))
     pipeline.produce(streams, ring.kv, blocks.end - blocks.first, cfg.num_stages)
     return ring.after(blocks)
 
