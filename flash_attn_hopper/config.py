@@ -44,6 +44,15 @@ def _validate_tiles(cfg) -> None:
     raise ValueError(f"{name}.num_stages must be at least 2, got {cfg.num_stages}")
 
 
+def _validate_optional_stages(cfg, field: str) -> None:
+  """Checks a ring depth that may be None (then the config's num_stages) or an int >= 1."""
+  stages = getattr(cfg, field)
+  if stages is not None and (not isinstance(stages, (int, np.integer))
+                             or isinstance(stages, bool) or stages < 1):
+    raise ValueError(f"{type(cfg).__name__}.{field} must be None or an int >= 1, got "
+                     f"{stages!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """Tile shape of the forward kernel.
@@ -58,18 +67,28 @@ class ForwardConfig:
       (one more S block in registers). Taken only where no block needs an element mask (no
       causal or window band, key lengths or segment ids, and S a multiple of block_kv; with a
       bias or a mask, by the tiles it leaves fully visible); elsewhere the plain loop runs.
+    bias_num_stages: slots of the ring of bias (or mask) tiles when it must differ from
+      `num_stages` (None: the same). At D 256 a 16-bit bias fits with one: its tile is read
+      before P V, so one slot still lets the next tile load under P V and the next QKᵀ.
   """
 
   block_q: int = 64
   block_kv: int = 128
   num_stages: int = 2
   overlap_softmax: bool = False
+  bias_num_stages: int | None = None
 
   def __post_init__(self):
     _validate_tiles(self)
     if not isinstance(self.overlap_softmax, bool):
       raise TypeError(f"ForwardConfig.overlap_softmax must be a bool, got "
                       f"{self.overlap_softmax!r}")
+    _validate_optional_stages(self, "bias_num_stages")
+
+  @property
+  def bias_stages(self) -> int:
+    """Slots of the ring of bias tiles."""
+    return self.num_stages if self.bias_num_stages is None else self.bias_num_stages
 
   @property
   def rows_per_cta(self) -> int:
@@ -85,7 +104,7 @@ class ForwardConfig:
     kv_ring = 2 * self.num_stages * self.block_kv * head_dim * itemsize
     lse_tiles = pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q * 4
     ids = (pipeline.NUM_COMPUTE_WARPGROUPS * self.block_q + self.num_stages * self.block_kv) * 4
-    bias_ring = self.num_stages * self.rows_per_cta * self.block_kv * bias_bytes
+    bias_ring = self.bias_stages * self.rows_per_cta * self.block_kv * bias_bytes
     return q_tiles * (2 if separate_o else 1) + kv_ring + lse_tiles + \
         (ids if segments else 0) + bias_ring
 
@@ -101,9 +120,11 @@ class ForwardConfig:
     need = self.smem_bytes(head_dim, itemsize, segments=segments, bias_bytes=bias_bytes)
     budget = SMEM_BUDGET
     if need > budget:
+      more = " or ForwardConfig.bias_num_stages" if bias_bytes else ""
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
-          f"{budget}-byte budget; lower ForwardConfig.block_kv or ForwardConfig.num_stages")
+          f"{budget}-byte budget; lower ForwardConfig.block_kv or ForwardConfig.num_stages"
+          f"{more}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +146,7 @@ class BackwardConfig:
 
   def __post_init__(self):
     _validate_tiles(self)
-    stages = self.dq_num_stages
-    if stages is not None and (not isinstance(stages, (int, np.integer))
-                               or isinstance(stages, bool) or stages < 1):
-      raise ValueError(f"BackwardConfig.dq_num_stages must be None or an int >= 1, got "
-                       f"{stages!r}")
+    _validate_optional_stages(self, "dq_num_stages")
 
   @property
   def dq_stages(self) -> int:
@@ -255,14 +272,18 @@ def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
   return config
 
 
-def _heuristic(head_dim: int, itemsize: int, segments: bool = False,
-               bias_bytes: int = 0) -> ForwardConfig:
-  """The deepest ring of the widest KV block that fits."""
-  for block_kv in (128, 64):
-    for num_stages in (3, 2):
-      cfg = ForwardConfig(block_q=64, block_kv=block_kv, num_stages=num_stages)
-      if cfg.fits(head_dim, itemsize, segments=segments, bias_bytes=bias_bytes):
-        return cfg
+def _pick(tuned: ForwardConfig | None, head_dim: int, itemsize: int, segments: bool = False,
+          bias_bytes: int = 0) -> ForwardConfig:
+  """The first that fits of: the tuned config, then the deepest ring of the widest KV block;
+  with a bias, then each of those with a one-slot ring of bias tiles (D 256)."""
+  candidates = [] if tuned is None else [tuned]
+  candidates += [ForwardConfig(block_q=64, block_kv=block_kv, num_stages=num_stages)
+                 for block_kv in (128, 64) for num_stages in (3, 2)]
+  if bias_bytes:
+    candidates += [dataclasses.replace(cfg, bias_num_stages=1) for cfg in candidates]
+  for cfg in candidates:
+    if cfg.fits(head_dim, itemsize, segments=segments, bias_bytes=bias_bytes):
+      return cfg
   if bias_bytes:
     raise NotImplementedError(
         f"flash_attn_hopper's kernel cannot take a `bias` at head_dim={head_dim}: its tiles "
@@ -276,13 +297,11 @@ def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
                            segments: bool = False, bias_bytes: int = 0) -> ForwardConfig:
   """Picks the forward config: explicit, else tuned, else heuristic; checked to fit (with
   the segment ids' buffers when `segments`, the bias ring when `bias_bytes`). A tuned config that
-  does not fit beside a bias gives way to the heuristic."""
+  does not fit beside a bias gives way to the heuristic (`_pick`)."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
-    config = TUNED_FORWARD.get((head_dim, bool(is_causal)))
-    if config is None or not config.fits(head_dim, itemsize, segments=segments,
-                                         bias_bytes=bias_bytes):
-      config = _heuristic(head_dim, itemsize, segments, bias_bytes)
+    config = _pick(TUNED_FORWARD.get((head_dim, bool(is_causal))), head_dim, itemsize,
+                   segments, bias_bytes)
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
   config.check_fits(head_dim, itemsize, segments, bias_bytes)

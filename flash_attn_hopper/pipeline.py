@@ -77,8 +77,9 @@ class Barriers:
 
   @staticmethod
   def types(num_stages: int, segments: bool = False, bias: bool = False,
-            turns: bool = False) -> tuple:
-    """The scratch types that `pl.run_scoped` allocates, in the order of the fields."""
+            turns: bool = False, bias_stages: int | None = None) -> tuple:
+    """The scratch types that `pl.run_scoped` allocates, in the order of the fields (the
+    bias's ring `bias_stages` deep, None: `num_stages`)."""
     per_wg = NUM_COMPUTE_WARPGROUPS
     k_ready, k_consumed = stream_barrier_types(num_stages)
     v_ready, v_consumed = stream_barrier_types(num_stages)
@@ -87,22 +88,22 @@ class Barriers:
     ids = (plgpu.Barrier(num_barriers=per_wg), *stream_barrier_types(num_stages))
     no_ids = (None, None, None)
     return (*base, *(ids if segments else no_ids),
-            *(stream_barrier_types(num_stages) if bias else (None, None)),
+            *(stream_barrier_types(bias_stages or num_stages) if bias else (None, None)),
             *((plgpu.Barrier(num_barriers=per_wg),) if turns else ()))
 
   def kv_streams(self, k_src, v_src, k_smem, v_smem, ids_src=None, ids_smem=None,
                  bias_src=None, bias_smem=None, bias_needed=None,
-                 bias_position=None) -> tuple:
+                 bias_position=None, bias_stages=None) -> tuple:
     """K then V, each `src(step)` a block view, as ring streams; with segment ids, the keys'
     ids stream between them, and with a bias its tiles (the mask and the bias are needed
     before P V), a sparse stream of the steps `bias_needed(step)` says, at ring positions
-    `bias_position(step)` (see `Stream.position`)."""
+    `bias_position(step)` of its own ring, `bias_stages` deep (see `Stream`)."""
     streams = [Stream(k_src, k_smem, self.k_ready, self.k_consumed)]
     if self.ids_ready is not None:
       streams.append(Stream(ids_src, ids_smem, self.ids_ready, self.ids_consumed))
     if self.bias_ready is not None:
       streams.append(Stream(bias_src, bias_smem, self.bias_ready, self.bias_consumed,
-                            bias_needed, bias_position))
+                            bias_needed, bias_position, bias_stages))
     streams.append(Stream(v_src, v_smem, self.v_ready, self.v_consumed))
     return tuple(streams)
 
@@ -143,6 +144,9 @@ class Stream(NamedTuple):
       ring: the producer copies them to the slots of their positions, consumers observe
       those steps alone, and a step that needs no block costs no barrier traffic (a bias
       tile skipped on a fully visible block). `drain` then takes the needed steps' total.
+    stages: with `position`, the depth of the stream's own ring when it differs from the
+      shared one (None: the same): its positions run on their own, so its slots may be
+      fewer (a bias's ring at D 256, where two stages of it do not fit beside K and V).
   """
   src: Callable
   smem: object
@@ -150,6 +154,12 @@ class Stream(NamedTuple):
   consumed: object
   needed: Callable | None = None
   position: Callable | None = None
+  stages: int | None = None
+
+
+def stages_of(stream: Stream, num_stages: int) -> int:
+  """The depth of `stream`'s ring: its own `stages`, else the shared `num_stages`."""
+  return num_stages if stream.stages is None else stream.stages
 
 
 def stream_barrier_types(num_stages: int) -> tuple:
@@ -189,9 +199,9 @@ def produce(streams, first_step, num_steps, num_stages: int):
 
 def _copy_sparse(stream: Stream, step, num_stages: int):
   """A sparse stream's needed block `step` into the slot of its own ring position."""
-  position = stream.position(step)
-  slot = slot_of(position, num_stages)
-  pl.when(position >= num_stages)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
+  position, stages = stream.position(step), stages_of(stream, num_stages)
+  slot = slot_of(position, stages)
+  pl.when(position >= stages)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
   plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
 
 
@@ -204,7 +214,8 @@ def release(stream: Stream, step, num_stages: int):
   if stream.position is None:
     free(slot_of(step, num_stages))
   else:
-    pl.when(stream.needed(step))(lambda: free(slot_of(stream.position(step), num_stages)))
+    pl.when(stream.needed(step))(
+        lambda: free(slot_of(stream.position(step), stages_of(stream, num_stages))))
 
 
 def drain(streams, total_steps, num_stages: int, sparse_total=None):
@@ -212,13 +223,13 @@ def drain(streams, total_steps, num_stages: int, sparse_total=None):
   unobserved and no read of the ring is in flight when the CTA exits. A sparse stream
   (`Stream.position`) drains over its own positions: `sparse_total` of them."""
   dense = [stream for stream in streams if stream.position is None]
-  sparse = [stream for stream in streams if stream.position is not None]
-  for group, total in ((dense, total_steps), (sparse, sparse_total)):
-    if not group:
-      continue
+  groups = [(dense, total_steps, num_stages)] if dense else []
+  groups += [([stream], sparse_total, stages_of(stream, num_stages))
+             for stream in streams if stream.position is not None]
+  for group, total, stages in groups:
 
-    @pl.loop(jnp.maximum(total - num_stages, 0), total)
-    def _drain(step, group=group):
-      slot = slot_of(step, num_stages)
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _drain(step, group=group, stages=stages):
+      slot = slot_of(step, stages)
       for stream in group:
         plgpu.barrier_wait(stream.consumed.at[slot])

@@ -45,11 +45,14 @@ def test_unknown_implementation(rng):
     fah.dot_product_attention(*_qkv(rng), implementation="triton")
 
 
-def test_kernel_says_where_a_bias_does_not_fit(rng):
-  """A bias's tiles do not fit beside D 256's K and V; a mask's one-byte tiles do."""
+def test_config_that_overflows_beside_a_bias_names_its_ring(rng):
+  """At D 256 a bias's tiles fit beside K and V only in a one-slot ring of their own: an
+  explicit config with two is refused, naming the field that fixes it."""
   q, k, v = _qkv(rng, d=256)
-  with pytest.raises(NotImplementedError, match="a `bias` at head_dim=256.*'xla'"):
-    fah.dot_product_attention(q, k, v, bias=jnp.zeros((1, 4, 16, 24)), interpret=True)
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2)
+  with pytest.raises(ValueError, match="ForwardConfig.bias_num_stages"):
+    fah.dot_product_attention(q, k, v, bias=jnp.zeros((1, 4, 16, 24)), config=cfg,
+                              interpret=True)
 
 
 @pytest.mark.parametrize("name, shape", [("bias", (2, 4, 16, 24)), ("mask", (1, 3, 16, 24)),
@@ -110,6 +113,7 @@ def test_xla_path_passes_every_argument_through(rng):
     ("num_stages", 1, "num_stages must be at least 2"),
     ("block_kv", 128.0, "block_kv must be an int"),
     ("overlap_softmax", 1, "overlap_softmax must be a bool"),
+    ("bias_num_stages", 0, "bias_num_stages must be None or an int >= 1"),
 ])
 def test_config_errors_name_the_field(field, value, match):
   with pytest.raises((ValueError, TypeError), match=f"ForwardConfig.{match}"):

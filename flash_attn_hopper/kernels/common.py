@@ -201,7 +201,7 @@ def bias_tile(bias_s, step, wg, num_stages: int, opts: AttentionOptions):
   float32 in the logits' layout; else None."""
   if bias_s is None:
     return None
-  slot = pipeline.slot_of(bias_s.position(step), num_stages)
+  slot = pipeline.slot_of(bias_s.position(step), pipeline.stages_of(bias_s, num_stages))
   plgpu.barrier_wait(bias_s.ready.at[slot])
   tile = bias_values(bias_s.smem.at[slot, wg][...], opts)
   plgpu.barrier_arrive(bias_s.consumed.at[slot])

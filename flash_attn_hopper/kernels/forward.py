@@ -76,7 +76,7 @@ class _Refs(NamedTuple):
   masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
   ids_ring: object = None    # segments: (num_stages, block_kv) int32, the keys' ids
-  bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_q, block_kv)
+  bias_ring: object = None   # bias: (bias stages, compute warpgroups, block_q, block_kv)
 
 
 class _Ring(NamedTuple):
@@ -224,7 +224,7 @@ def _attend(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
   ring0 = ring.kv - cta.first  # Ring position of block 0.
   bias_s = None if refs.bias_ring is None else pipeline.Stream(  # The consumers' view.
       None, refs.bias_ring, bars.bias_ready, bars.bias_consumed,
-      *cta.edge_steps(base=ring.bias))
+      *cta.edge_steps(base=ring.bias), cfg.bias_num_stages)
   step = functools.partial(_kv_step, refs=refs, bars=bars, dims=dims, opts=opts, wg=wg, q0=q0,
                            q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, end=own.end,
                            bias_s=bias_s, q_smem=refs.q_smem.at[wg],
@@ -455,13 +455,15 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                                                              tile.head, tile.row0, rows(step)),
                               refs.bias_ring,
                               # No tile where the bias is zero for every row of the CTA.
-                              *blocks.edge_steps(first=blocks.first, base=ring.bias))
+                              *blocks.edge_steps(first=blocks.first, base=ring.bias),
+                              cfg.bias_num_stages)
     pipeline.produce(streams, ring.kv, blocks.end - blocks.first, cfg.num_stages)
     return ring.after(blocks)
 
   total = lax.fori_loop(0, sched.items_of(cta), tile_body, _Ring.start(opts))
   pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring,
-                                 None, refs.bias_ring, bias_position=lambda step: step),
+                                 None, refs.bias_ring, bias_position=lambda step: step,
+                                 bias_stages=cfg.bias_num_stages),
                  total.kv, cfg.num_stages, sparse_total=total.bias)
 
 
@@ -485,7 +487,7 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
       plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
       plgpu.SMEM((cfg.num_stages, cfg.block_kv), jnp.int32) if opts.segments else None,
-      common.smem_tile((cfg.num_stages, wgs, cfg.block_q, cfg.block_kv),
+      common.smem_tile((cfg.bias_stages, wgs, cfg.block_q, cfg.block_kv),
                        opts.bias_dtype(dims.dtype)) if opts.bias else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
@@ -502,7 +504,8 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
 
   pl.run_scoped(scoped, *scratch, *staging,
                 *pipeline.Barriers.types(cfg.num_stages, segments=opts.segments,
-                                         bias=bool(opts.bias), turns=_overlaps(opts)),
+                                         bias=bool(opts.bias), turns=_overlaps(opts),
+                                         bias_stages=cfg.bias_stages),
                 collective_axes="wg")
 
 
