@@ -306,11 +306,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     bias, mask: as in `jax.nn`, broadcastable to (B, N, T, S). The kernel adds them to the
       scaled logits as one bias tile per block (the mask as −inf), materialized to
       (B|1, N|1, T, S): a bias in the inputs' dtype, a mask alone as uint8. Blocks a mask
-      hides entirely are skipped; blocks it leaves fully visible stream no tile. A bias at
-      D 64 and 128 (at D 256 its tiles do not fit shared memory: NotImplementedError), a
-      mask at every head dim. With a mask alone the backward kernels stream the same tiles;
-      with a `bias`, whose own gradient dS they do not write, the gradients come from
-      `blockwise` (XLA).
+      hides entirely are skipped; blocks it leaves fully visible stream no tile. Both work
+      at every head dim (a bias at D 256 with a one-slot ring of its tiles). The backward
+      kernels stream the same tiles, and a differentiated bias's gradient is the dQ kernel's
+      dS, (B, N, T, S) in the inputs' dtype, summed over the dimensions the bias broadcasts
+      (a bias that is not differentiated writes none). A bias is rounded to the inputs'
+      dtype. At D 256 a bias's gradients come from `blockwise` (XLA): its tiles do not fit
+      beside the dK/dV kernel's.
     query_seq_lengths, key_value_seq_lengths: (B,) int32, as in `jax.nn` (padding). Keys
       past a batch element's length are masked and their blocks skipped; output rows past a
       query's length are zero.

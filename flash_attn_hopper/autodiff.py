@@ -1,18 +1,23 @@
 """Autodiff wiring of the kernel attention: a `jax.custom_vjp` over the kernels.
 
 Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ preprocess, dQ,
-dK/dV; at D 256 dQ with a one-stage ring and the split dK/dV kernel). When a bias's own
-gradient is wanted (the kernels stream bias tiles, a mask's included, but do not write dS
-out), it runs `blockwise`, FlashAttention's backward in XLA ops, with O(T) extra memory like
-the kernels (and the bias's gradient, shaped like it).
+dK/dV; at D 256 dQ with a one-stage ring and the split dK/dV kernel). A bias's own gradient
+is the dQ kernel's dS, summed over the bias's broadcast dimensions, written only when the bias
+is differentiated (the custom VJP's symbolic zeros say whether it is: a constant bias, such as
+ALiBi's, costs no dS). Where the kernels cannot run, `blockwise` (FlashAttention's backward
+in XLA ops, O(T) extra memory like the kernels) gives all the gradients: with a bias at D 256,
+whose tiles do not fit beside the split dK/dV kernel's rings (a mask's one-byte tiles do), nor
+dS's staging tiles beside the dQ kernel's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax import custom_derivatives
 
 from flash_attn_hopper import blockwise
 from flash_attn_hopper import config as config_lib
@@ -30,8 +35,8 @@ KERNEL_BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 def backward_in_kernels(head_dim: int, opts) -> bool:
   """Whether the backward kernels (not `blockwise`) compute the gradients."""
-  if opts.bias_grad:  # The kernels do not write dS, the bias's gradient.
-    return False
+  if opts.bias and not opts.bias_is_mask and head_dim >= config_lib.SPLIT_DKV_HEAD_DIM:
+    return False  # No room for a bias's tiles, nor dS's (see the module docstring).
   return head_dim in KERNEL_BACKWARD_HEAD_DIMS
 
 
@@ -45,33 +50,50 @@ def attention(q, k, v, kv_lens, segment_ids, bias, opts: forward_kernel.ForwardO
   `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`;
   `segment_ids` is None, or `masking.SegmentIds` padded like q and k when `opts.segments`.
   Neither has a gradient. `bias` is None, or (B|1, N|1, T, S) padded like q and k when
-  `opts.bias`; its gradient (dS) comes from `blockwise`, and so do q's, k's and v's then."""
+  `opts.bias`; with `opts.bias_grad`, it gets a gradient, shaped and typed like it, when it
+  is differentiated."""
   return forward_kernel.attention_forward(q, k, v, opts, kv_lens, segment_ids, bias)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Differentiated:
+  """A residual with no arrays: whether the bias is differentiated (static in the backward)."""
+  bias: bool
+
+
 def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config):
+  # With symbolic zeros each input leaf comes as a CustomVJPPrimal, whose `perturbed` says
+  # whether it is differentiated.
+  wanted = _Differentiated(bias=bias is not None and bias.perturbed)
+  q, k, v, kv_lens, segment_ids, bias = custom_derivatives.custom_vjp_primal_tree_values(
+      (q, k, v, kv_lens, segment_ids, bias))
   # Through `attention` itself, so that differentiating the residuals (a second derivative)
   # meets this custom rule, and then `_backward`'s clear error, not the kernel's lowering.
   out, lse = attention(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config)
-  return (out, lse), (q, k, v, (kv_lens, segment_ids, bias), out, lse)
+  return (out, lse), (q, k, v, (kv_lens, segment_ids, bias), out, lse, wanted)
 
 
 def _attention_bwd(opts, bwd_config, residuals, cotangents):
-  q, k, v, masks, out, lse = residuals
+  q, k, v, masks, out, lse, wanted = residuals
+  opts = dataclasses.replace(opts, bias_grad=opts.bias_grad and wanted.bias)
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
+  if isinstance(dout, custom_derivatives.SymbolicZero):  # Only the LSE was differentiated.
+    dout = jnp.zeros(dout.shape, dout.dtype)
   if not backward_in_kernels(q.shape[-1], opts):
     dq, dk, dv, *dbias = _blockwise_backward(q, k, v, out, lse, dout, masks, opts)
-    return dq, dk, dv, None, None, (dbias[0] if dbias and opts.bias_grad else None)
-  bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
-                                    config=config_lib.resolve_backward_config(
-                                        q.shape[-1], q.dtype, opts.is_causal, bwd_config,
-                                        opts.segments, opts.bias_bytes(q.dtype),
-                                        seq_len=q.shape[1]),
-                                    interpret=opts.interpret, seq_kv=opts.seq_kv,
-                                    kv_lens=opts.kv_lens, segments=opts.segments,
-                                    soft_cap=opts.soft_cap, bias=opts.bias,
-                                    bias_is_mask=opts.bias_is_mask)
-  return (*_backward(q, k, v, out, lse, dout, masks, bwd_opts), None, None, None)
+  else:
+    bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,
+                                      config=config_lib.resolve_backward_config(
+                                          q.shape[-1], q.dtype, opts.is_causal, bwd_config,
+                                          opts.segments, opts.bias_bytes(q.dtype),
+                                          seq_len=q.shape[1], bias_grad=opts.bias_grad),
+                                      interpret=opts.interpret, seq_kv=opts.seq_kv,
+                                      kv_lens=opts.kv_lens, segments=opts.segments,
+                                      soft_cap=opts.soft_cap, bias=opts.bias,
+                                      bias_grad=opts.bias_grad, bias_is_mask=opts.bias_is_mask)
+    dq, dk, dv, *dbias = _backward(q, k, v, out, lse, dout, masks, bwd_opts)
+  return dq, dk, dv, None, None, (dbias[0] if dbias and opts.bias_grad else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -93,8 +115,8 @@ def _blockwise_backward_fwd(q, k, v, out, lse, dout, masks, opts):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _backward(q, k, v, out, lse, dout, masks, opts):
-  """The backward kernels, as a function that refuses to be differentiated again. `masks`
-  is (kv_lens, segment_ids)."""
+  """The backward kernels, as a function that refuses to be differentiated again: (dq, dk,
+  dv, dbias or None). `masks` is (kv_lens, segment_ids, bias)."""
   return backward_kernel.attention_backward(q, k, v, out, lse, dout, opts, *masks)
 
 
@@ -113,4 +135,4 @@ _backward.defvjp(_backward_fwd, _backward_bwd)
 _blockwise_backward.defvjp(_blockwise_backward_fwd, _backward_bwd)
 
 
-attention.defvjp(_attention_fwd, _attention_bwd)
+attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

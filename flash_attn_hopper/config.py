@@ -154,10 +154,11 @@ class BackwardConfig:
     return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
 
   def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False,
-                 bias_bytes: int = 0) -> int:
+                 bias_bytes: int = 0, bias_grad: bool = False) -> int:
     """Shared memory of the larger of the two kernels.
 
-    dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring.
+    dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring (with
+    `bias_grad`, a (block_q × block_kv) staging tile of dS per compute warpgroup).
     dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
     (With `segments`, each adds its int32 ids: one tile's and a ring's; with a bias, a ring
     of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)"""
@@ -165,7 +166,8 @@ class BackwardConfig:
     q_rows = wgs * self.block_q
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
           + 2 * self.dq_stages * self.block_kv * head_dim * itemsize
-          + self.dq_stages * q_rows * self.block_kv * bias_bytes)
+          + self.dq_stages * q_rows * self.block_kv * bias_bytes
+          + (q_rows * self.block_kv * itemsize if bias_grad else 0))
     if segments:
       dq += (q_rows + self.dq_stages * self.block_kv) * 4
     return max(dq, self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes))
@@ -185,13 +187,13 @@ class BackwardConfig:
     return 2 * kv_rows * head_dim * itemsize + ring + p_slots + ids + bias_ring
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
-                 bias_bytes: int = 0) -> None:
+                 bias_bytes: int = 0, bias_grad: bool = False) -> None:
     """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
     if head_dim >= SPLIT_DKV_HEAD_DIM and self.block_kv != hardware.WGMMA_ROWS:
       raise ValueError(
           f"BackwardConfig.block_kv must be {hardware.WGMMA_ROWS} at head_dim={head_dim} (the "
           f"split dK/dV kernel's one wgmma M of keys per CTA); got {self.block_kv}")
-    need = self.smem_bytes(head_dim, itemsize, segments, bias_bytes)
+    need = self.smem_bytes(head_dim, itemsize, segments, bias_bytes, bias_grad)
     if need > SMEM_BUDGET:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
@@ -253,9 +255,10 @@ TUNED_BACKWARD_LONG: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
 def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
                             config: BackwardConfig | None = None,
                             segments: bool = False, bias_bytes: int = 0,
-                            seq_len: int = 0) -> BackwardConfig:
+                            seq_len: int = 0, bias_grad: bool = False) -> BackwardConfig:
   """Picks the backward config: explicit, else tuned (for `seq_len` queries), else the
-  default; checked to fit (`bias_bytes` per element of a bias ring: 0 none, 1 a mask)."""
+  default; checked to fit (`bias_bytes` per element of a bias ring: 0 none, 1 a mask;
+  `bias_grad`: with dS's staging tiles)."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
     key = (head_dim, bool(is_causal))
@@ -263,12 +266,12 @@ def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
     if key in TUNED_BACKWARD_LONG and seq_len >= TUNED_BACKWARD_LONG[key][0]:
       config = TUNED_BACKWARD_LONG[key][1]
     try:
-      config.check_fits(head_dim, itemsize, segments, bias_bytes)
+      config.check_fits(head_dim, itemsize, segments, bias_bytes, bias_grad)
     except ValueError:
       config = BackwardConfig()
   elif not isinstance(config, BackwardConfig):
     raise TypeError(f"backward_config must be a BackwardConfig, got {type(config).__name__}")
-  config.check_fits(head_dim, itemsize, segments, bias_bytes)
+  config.check_fits(head_dim, itemsize, segments, bias_bytes, bias_grad)
   return config
 
 

@@ -3,6 +3,8 @@ on an H200, forward and backward, at full size."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,13 +20,17 @@ pytestmark = pytest.mark.gpu
 def _check_forward_and_gradients(rng, q, k, v, **kw):
   """The jitted kernel's output and LSE (into poisoned memory), then its gradients for a random
   cotangent, against the float32 reference with the same arguments."""
-  attn = lambda q, k, v, **more: fah.dot_product_attention(
-      q, k, v, implementation="flash_attn_hopper", **kw, **more)
+  attn = functools.partial(fah.dot_product_attention, implementation="flash_attn_hopper")
   testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
-  out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_residual=True))(q, k, v)
+  out, lse = jax.jit(lambda q, k, v: attn(q, k, v, return_residual=True, **kw))(q, k, v)
   testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
   dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
-  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
+  # With a bias, its gradient too: the dQ kernel's dS (B, N, T, S), summed over the bias's
+  # broadcast dims; the poison covers it.
+  b, t, n, _ = q.shape
+  testing.poison_device_memory(max(4 * q.size, b * n * t * k.shape[1]) * q.dtype.itemsize)
+  grads = jax.jit(lambda q, k, v, dout: testing.gradients(attn, q, k, v, dout, **kw))(
+      q, k, v, dout)
   testing.check_gradients(grads, q, k, v, dout, **kw)
 
 
@@ -100,11 +106,12 @@ def test_soft_cap_forward_and_gradients(rng, d, dtype, is_causal):
 
 @pytest.mark.parametrize("d, is_causal, with_bias", tiered(
     [(128, False, True), (64, True, False), (128, True, False), (64, False, True),
-     (256, True, False)],  # D 256: a mask alone (one-byte tiles), split dK/dV
+     (256, True, False),  # D 256: a mask alone (one-byte tiles), split dK/dV
+     (256, False, True)],  # D 256: a one-slot ring of bias tiles; gradients from `blockwise`
     lambda i, case: i < 2 or case[0] == 256))
 def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
-  """With a bias, the gradients come from `blockwise`; a mask alone streams its tiles through
-  the backward kernels."""
+  """A bias and a mask, or a mask alone, stream their tiles through the backward kernels; the
+  bias's own gradient is the dQ kernel's dS, summed over the bias's batch-wide heads."""
   t = s = 2048
   w = workloads.Workload("bias", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
                          head_dim=d)
@@ -114,6 +121,22 @@ def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
   mask = mask & (jnp.arange(s) < 1500)                                     # blocks skipped
   _check_forward_and_gradients(rng, q, k, v, is_causal=is_causal, mask=mask,
                                bias=bias if with_bias else None)
+
+
+def test_constant_bias_gradients(rng):
+  """A bias that is not differentiated (ALiBi's, say): the backward kernels stream its tiles
+  and write no dS."""
+  t = s = 2048
+  w = workloads.Workload("bias", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
+                         head_dim=128)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  bias = jnp.asarray(rng.standard_normal((1, 8, t, s)), jnp.bfloat16)
+  attn = functools.partial(fah.dot_product_attention, implementation="flash_attn_hopper",
+                           bias=bias, is_causal=True)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  testing.poison_device_memory(4 * q.size * q.dtype.itemsize)
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))(q, k, v, dout)
+  testing.check_gradients(grads, q, k, v, dout, bias=bias, is_causal=True)
 
 
 @pytest.mark.parametrize("d", tiered([(128,), (256,)], lambda i, case: i == 0))

@@ -4,6 +4,8 @@ semantics."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +24,11 @@ CONFIG = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2)
 def _check_forward_and_gradients(rng, q, k, v, config, **kw):
   """The interpreted kernel's output (and LSE), then its gradients for a random cotangent,
   against the float32 reference with the same arguments."""
-  attn = lambda q, k, v, **more: fah.dot_product_attention(q, k, v, interpret=True,
-                                                          config=config, **kw, **more)
-  out, lse = attn(q, k, v, return_residual=True)
+  attn = functools.partial(fah.dot_product_attention, interpret=True, config=config)
+  out, lse = attn(q, k, v, return_residual=True, **kw)
   testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
   dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
-  grads = jax.vjp(attn, q, k, v)[1](dout)
+  grads = testing.gradients(attn, q, k, v, dout, **kw)  # With a bias, its gradient too.
   testing.check_gradients(grads, q, k, v, dout, **kw)
 
 
@@ -157,7 +158,10 @@ def test_soft_cap_matches_reference(rng, t, s, d, is_causal, cap, extra):
 
 def _bias_cases(rng, t, s, name):
   """(bias, mask) of a named layout for batch 2, 4 query heads."""
-  bias = jnp.asarray(rng.standard_normal((2, 1, t, s)), jnp.float32)  # per batch, all heads
+  # In the inputs' dtype: the kernels round a bias to it (a float32 one would differ from the
+  # float32 reference by that rounding, which dbias shows, and the naive implementation by
+  # less, as jax.nn promotes the logits to float32 instead).
+  bias = jnp.asarray(rng.standard_normal((2, 1, t, s)), jnp.bfloat16)  # per batch, all heads
   mask = jnp.asarray(rng.random((1, 4, t, s)) > 0.3)                    # per head
   mask = mask.at[0, 1, 5].set(False)                                   # a row that sees nothing
   mask = mask & (jnp.arange(s) < s // 2)                                # whole blocks skipped
@@ -188,6 +192,7 @@ BIAS_CASES = [
     (320, 320, 64, True, "edge rows bias"),
     (320, 320, 64, True, "edge rows mask"),
     (130, 150, 256, True, "mask"),  # D 256: one-byte mask tiles fit beside K and V
+    (130, 150, 256, False, "both"),  # D 256: a one-slot ring of bias tiles; `blockwise` grads
 ]
 
 
@@ -215,20 +220,24 @@ def test_mask_with_overlapped_tiles(rng):
   _check_forward_and_gradients(rng, q, k, v, cfg, mask=jnp.asarray(mask)[None, None])
 
 
-def test_bias_gradient_matches_reference(rng):
-  """The bias's own gradient (dS summed over its broadcast dims), for a random cotangent."""
-  q, k, v = _gqa_inputs(rng, 2, 130, 170, 64)
-  bias = jnp.asarray(rng.standard_normal((2, 1, 130, 170)), jnp.bfloat16)
-  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
-  kw = dict(is_causal=True)
-  dbias = jax.vjp(lambda b: fah.dot_product_attention(q, k, v, bias=b, interpret=True, **kw),
-                  bias)[1](dout)[0]
-  f32 = lambda x: x.astype(jnp.float32)
-  ref = jax.vjp(lambda b: fah.attention_reference(f32(q), f32(k), f32(v), bias=b, **kw),
-                f32(bias))[1](f32(dout))[0]
-  naive = jax.vjp(lambda b: testing.naive_attention(q, k, v, bias=b, **kw), bias)[1](dout)[0]
-  assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
-  testing.assert_close_to_reference(dbias, ref, naive, what="dbias")
+def test_constant_bias_writes_no_ds(rng, monkeypatch):
+  """A bias that is not differentiated (ALiBi's, say) runs the backward kernels without dS;
+  a differentiated one with it (`autodiff`'s symbolic zeros)."""
+  from flash_attn_hopper.kernels import dq as dq_kernel
+  real, wrote_ds = dq_kernel.dq, []
+  monkeypatch.setattr(dq_kernel, "dq", lambda *args, **kwargs: (
+      wrote_ds.append(args[6].bias_grad), real(*args, **kwargs))[1])
+  q, k, v = _gqa_inputs(rng, 2, 130, 150, 64)
+  kw = dict(is_causal=True, bias=jnp.asarray(rng.standard_normal((1, 4, 130, 150)),
+                                             jnp.bfloat16))
+  attn = functools.partial(fah.dot_product_attention, interpret=True, config=CONFIG, **kw)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.vjp(attn, q, k, v)[1](dout)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
+  jax.vjp(lambda q, bias: fah.dot_product_attention(q, k, v, bias, interpret=True,
+                                                   config=CONFIG, is_causal=True),
+          q, kw["bias"])[1](dout)
+  assert wrote_ds == [False, True]
 
 
 def test_mask_gradients_come_from_the_backward_kernels(rng, monkeypatch):

@@ -24,12 +24,13 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
     opts: static options.
     kv_lens: (B,) int32 keys per batch element, given exactly when `opts.kv_lens`.
     segment_ids: `masking.SegmentIds` padded like q and k, given exactly when `opts.segments`.
-    bias: (B|1, N|1, T, S) padded like q and k (−inf masks), given exactly when `opts.bias`;
-      its own gradient is not computed here (see `autodiff`).
+    bias: (B|1, N|1, T, S) padded like q and k (−inf masks), given exactly when `opts.bias`.
 
   Returns:
-    (dq, dk, dv), shaped and typed like (q, k, v). dK and dV are summed over each GQA group
-    inside the kernel, in a fixed order: two runs give bitwise-equal results.
+    (dq, dk, dv, dbias), the first three shaped and typed like (q, k, v). dK and dV are summed
+    over each GQA group inside the kernel, in a fixed order: two runs give bitwise-equal
+    results. dbias is None unless `opts.bias_grad`: then the dQ kernel's dS, summed (in
+    float32) over the dimensions the bias broadcasts, shaped and typed like `bias`.
   """
   t, t_tiles = q.shape[1], lse.shape[-1]
   # δ = rowsum(dO ∘ O), float32, padded with zeros so padded rows contribute nothing.
@@ -37,10 +38,19 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_tiles - t)))
   lse_log2 = lse * softmax.LOG2E
   dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
+  dq, ds = dq if opts.bias_grad else (dq, None)
   # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,
   # and the CPU interpreter deadlocks when XLA runs two interpreted kernels at once.
   q, dq = lax.optimization_barrier((q, dq))
   # Wide heads: one key block per CTA, the warpgroups split by role (dV, dK).
   dkv = dkv_split.dkv if q.shape[-1] >= config_lib.SPLIT_DKV_HEAD_DIM else dkv_kernel.dkv
   dk, dv = dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
-  return dq, dk, dv
+  return dq, dk, dv, None if ds is None else _sum_to(ds, bias)
+
+
+def _sum_to(ds, bias):
+  """dS (B, N, T, S) summed over the dimensions `bias` broadcasts, in its shape and dtype."""
+  axes = tuple(i for i in range(2) if bias.shape[i] == 1 and ds.shape[i] > 1)
+  if not axes:
+    return ds.astype(bias.dtype)
+  return ds.astype(jnp.float32).sum(axes, keepdims=True).astype(bias.dtype)

@@ -65,8 +65,8 @@ class AttentionOptions:
   #: Whether an additive bias of the scaled logits comes along (`mask` arrives as one, −inf
   #: where masked): None, or whether it varies over (batch, head); see `MaskInputs.bias`.
   bias: tuple[bool, bool] | None = None
-  #: Whether the bias's gradient is wanted (a user's `bias`, not only a `mask`): the
-  #: backward kernels do not produce it, so `autodiff` then runs `blockwise`.
+  #: Whether the bias's gradient is wanted (a user's `bias`, not only a `mask`): the dQ
+  #: kernel then writes dS out (`kernels/dq.py`).
   bias_grad: bool = False
   #: Whether the bias input is a `mask` alone, as uint8 (1: visible): its tiles take one byte
   #: per entry instead of two, and the kernels turn them into 0 / −inf (`bias_values`).

@@ -32,8 +32,8 @@ A `mask` (uint8 tiles, `opts.bias_is_mask`) streams as a fifth ring of (BLOCK_KV
 tiles (transposed, as in `dkv`), narrows the query blocks to those it leaves visible to some
 query head of the group, and is applied, with the element masks, on the blocks it does not
 leave wholly visible for the step's head; elsewhere no tile is copied. A bias (two bytes an
-entry) does not fit beside the rings at D 256; the backward kernels never get one anyway (a
-bias's gradient comes from `blockwise`), and it raises NotImplementedError.
+entry) does not fit beside the rings at D 256: `autodiff` sends a bias's gradients there to
+`blockwise`, and this kernel raises NotImplementedError.
 
 Shared memory at D 256, 16-bit, block_q 64, two stages (`smem_bytes`): the Q and dO ring
 2·2·64·256·2 = 128 KiB, K and V 64 KiB, the two Pᵀ slots 16 KiB, the LSE and δ ring 1 KiB:

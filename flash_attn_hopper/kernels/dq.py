@@ -11,6 +11,13 @@ ring as the forward's, over the same KV block range (`masking.kv_block_range`):
                                 segment ids: the keys' ids stream between K and V)
       dS = P ∘ (dP − δ)
       dQ += dS K                scaled once at the end
+      dS out                    with the bias's gradient only (`_store_ds`)
+
+With `opts.bias_grad` the kernel also writes dS, the gradient of the biased logits, (B, N, T, S)
+in the bias's dtype: each warpgroup stores its visited blocks through a staging tile and TMA
+(the store of a block runs under the next block's matmuls), then zeros into every block it
+did not visit (`_zero_unvisited_ds`), so that no entry is left unwritten. `autodiff` sums it
+over the bias's broadcast dimensions.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ class _Refs(NamedTuple):
   masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
   ids_ring: object = None    # segments: (dq stages, block_kv) int32, the keys' ids
+  ds: object = None          # bias_grad: (B, N, T, S) dS out, in the bias's dtype
+  ds_smem: object = None     # bias_grad: (compute warpgroups, block_q, block_kv) staging
 
 
 class _Tile(NamedTuple):
@@ -76,7 +85,7 @@ def _key_ids(ids_s, slot, load: bool):
   return ids
 
 
-def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
+def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
              bias_s, refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
   cfg = opts.config
@@ -104,11 +113,44 @@ def _kv_step(step, carry, *, wg, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s,
     wait_v()
     dp = common.matmul(do_smem, v_slot.T, shape)
   plgpu.barrier_arrive(v_s.consumed.at[slot])
-  ds = softmax.logits_grad(p, dp, delta, cap_grad=cap_grad)
-  carry = accumulate.matmul_accumulate(carry, ds.astype(dims.dtype), refs.k_ring.at[slot],
-                                       staging=staging)
+  ds = softmax.logits_grad(p, dp, delta, cap_grad=cap_grad).astype(dims.dtype)
+  if refs.ds is not None:
+    _store_ds(ds, _ds_block(refs, tile, q0, step, cfg), refs.ds_smem.at[wg])
+  carry = accumulate.matmul_accumulate(carry, ds, refs.k_ring.at[slot], staging=staging)
   plgpu.barrier_arrive(k_s.consumed.at[slot])
   return carry
+
+
+def _ds_block(refs: _Refs, tile: "_Tile", q0, block, cfg):
+  """The global-memory view of dS for this warpgroup's rows and KV block `block`."""
+  return refs.ds.at[tile.batch, tile.head, pl.ds(q0, cfg.block_q),
+                    pl.ds(block * cfg.block_kv, cfg.block_kv)]
+
+
+def _store_ds(ds, dst, ds_smem):
+  """One block of dS out through the warpgroup's staging tile, once the previous block's
+  store has read it; the copy runs on while the warpgroup goes on."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  ds_smem[...] = ds
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(ds_smem, dst)
+
+
+def _zero_unvisited_ds(own: masking.BlockRange, tile: "_Tile", q0, refs: _Refs, wg, dims,
+                       opts):
+  """Zeros into this warpgroup's dS blocks outside its own run (P = 0 there): from the
+  staging tile, filled with zeros once."""
+  cfg = opts.config
+  ds_smem = refs.ds_smem.at[wg]
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  ds_smem[...] = common.zeros_accumulator((cfg.block_q, cfg.block_kv)).astype(ds_smem.dtype)
+  plgpu.commit_smem()
+
+  @pl.loop(0, pl.cdiv(refs.ds.shape[3], cfg.block_kv))
+  def _zero(block):
+    outside = jnp.logical_or(block < own.first, block >= own.end)
+    pl.when(outside)(lambda: plgpu.copy_smem_to_gmem(
+        ds_smem, _ds_block(refs, tile, q0, block, cfg)))
 
 
 def _release_step(step, _, *, ring0, streams, num_stages):
@@ -155,7 +197,7 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   q_ids = plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
   ring0 = -cta.first
   step = functools.partial(
-      _kv_step, wg=wg, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0,
+      _kv_step, wg=wg, tile=tile, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0,
       lse=plgpu.load(refs.lse_smem.at[wg], layout=common.ROWS),
       delta=plgpu.load(refs.delta_smem.at[wg], layout=common.ROWS), k_s=k_s, v_s=v_s,
       ids_s=ids_s, bias_s=bias_s, refs=refs,
@@ -168,6 +210,8 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
                               num_stages=cfg.dq_stages)
   dq = common.zeros_accumulator((cfg.block_q, dims.head_dim))
   dq = common.walk_blocks(cta, own, step, release, dq)
+  if refs.ds is not None:
+    _zero_unvisited_ds(own, tile, q0, refs, wg, dims, opts)
 
   q_smem = refs.q_smem.at[wg]  # Q is no longer read: dQ leaves through it.
   q_smem[...] = (dq * opts.scale).astype(dims.dtype)
@@ -193,7 +237,7 @@ def _q_tile(num_q_tiles: int, opts):
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, opts):
-  masks, (dq,) = common.MaskInputs.split(rest, opts)
+  masks, (dq, *ds) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.dq_stages
@@ -208,6 +252,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
       plgpu.SMEM((stages, cfg.block_kv), jnp.int32) if opts.segments else None,
       common.smem_tile((stages, wgs, cfg.block_q, cfg.block_kv), opts.bias_dtype(dims.dtype))
       if opts.bias else None,
+      common.smem_tile((wgs, cfg.block_q, cfg.block_kv), dims.dtype) if ds else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
@@ -216,9 +261,10 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
 
   def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, q_ids_smem, ids_ring,
-             bias_ring, *rest):
+             bias_ring, ds_smem, *rest):
     refs = _Refs(q, k, v, do, lse, delta, dq, q_smem, do_smem, lse_smem, delta_smem, k_ring,
-                 v_ring, rest[0] if staging else None, masks, q_ids_smem, ids_ring)
+                 v_ring, rest[0] if staging else None, masks, q_ids_smem, ids_ring,
+                 ds[0] if ds else None, ds_smem)
     tile_ready, *ring_barriers = rest[len(staging):]
     tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
                  row0=_q_tile(num_q_tiles, opts) * wgs * cfg.block_q)
@@ -252,7 +298,8 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
 
 def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
        segment_ids=None, bias=None):
-  """dQ (B, T, N, D) in Q's dtype, from canonical padded inputs (see `backward`)."""
+  """dQ (B, T, N, D) in Q's dtype, from canonical padded inputs (see `backward`); with
+  `opts.bias_grad`, (dQ, dS), dS (B, N, T, S) in Q's dtype (the bias's)."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   rows = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q
@@ -261,9 +308,13 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
                               seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
   masks = masks.with_bias(bias, rows=num_q_tiles * rows, row_block=cfg.block_q,
                           col_block=cfg.block_kv)
+  out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  if opts.bias_grad:
+    out_type = (out_type, jax.ShapeDtypeStruct((dims.batch, dims.num_q_heads, q.shape[1],
+                                                k.shape[1]), q.dtype))
   return common.launch(
       functools.partial(_entry, dims=dims, num_q_tiles=num_q_tiles, opts=opts), q, k, v, do,
       lse_log2, delta,
-      *masks.arrays(), out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      *masks.arrays(), out_type=out_type,
       grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
       name="flash_attn_hopper_dq", interpret=opts.interpret)
