@@ -54,6 +54,8 @@ FEATURES = {
     "bias": dict(bias=jnp.zeros((2, 1, 1024, 1024), jnp.bfloat16)),
     "mqa_fp16": dict(heads=(8, 1), dtype=jnp.float16),
     "tail_lengths": dict(t=1000, s=777),
+    # A mask whose S is not a multiple of the TMA tiling (its tiles' columns are padded).
+    "mask_tail": dict(t=1000, s=777, mask=jnp.ones((1, 8, 1000, 777), bool)),
 }
 
 

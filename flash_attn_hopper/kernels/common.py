@@ -157,11 +157,12 @@ class MaskInputs(NamedTuple):
                 tiles_are_keys: bool = False) -> "MaskInputs":
     """Adds a (B|1, N|1, T, S) bias (None: unchanged) as the kernel tiles it: rows are
     queries (transposed to keys first with `tiles_are_keys`, for the dK/dV kernel), padded
-    with −inf to `rows` (whole tiles) and split into blocks of row_block rows, with every
-    leading dimension folded into the block index: a tile is then a 3-D TMA copy (two row
-    blocks × block rows × columns), whose swizzle tiling adds two dimensions to TMA's limit
-    of five (`hardware.TMA_MAX_DIMS`); with the spans of column blocks its −inf entries
-    leave."""
+    with −inf (a mask's 0) to `rows` (whole tiles), columns to whole blocks of col_block (a
+    TMA copy's box must divide the array's swizzle tiling: S = 777 failed to lower), and
+    split into blocks of row_block rows, with every leading dimension folded into the block
+    index: a tile is then a 3-D TMA copy (two row blocks × block rows × columns), whose
+    swizzle tiling adds two dimensions to TMA's limit of five (`hardware.TMA_MAX_DIMS`);
+    with the spans of column blocks its −inf entries leave."""
     if bias is None:
       return self
     is_mask = bias.dtype == jnp.uint8  # A mask alone (see `AttentionOptions.bias_is_mask`).
@@ -177,9 +178,10 @@ class MaskInputs(NamedTuple):
       bias, may, full = (jnp.swapaxes(x, -2, -1) for x in (bias, may, full))
     bb, nb, r, c = bias.shape
     spans = masking.table_spans((may, full), rows // row_block)
-    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, 0)),
+    cols = -(-c // col_block) * col_block
+    bias = jnp.pad(bias, ((0, 0), (0, 0), (0, rows - r), (0, cols - c)),
                    constant_values=0 if is_mask else -jnp.inf)
-    return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, c),
+    return self._replace(bias=bias.reshape(bb * nb * (rows // row_block), row_block, cols),
                          bias_spans=spans)
 
   def arrays(self) -> tuple:
