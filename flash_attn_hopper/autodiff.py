@@ -4,10 +4,8 @@ Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ p
 dK/dV; at D 256 dQ with a one-stage ring and the split dK/dV kernel). A bias's own gradient
 is the dQ kernel's dS, summed over the bias's broadcast dimensions, written only when the bias
 is differentiated (the custom VJP's symbolic zeros say whether it is: a constant bias, such as
-ALiBi's, costs no dS). Where the kernels cannot run, `blockwise` (FlashAttention's backward
-in XLA ops, O(T) extra memory like the kernels) gives all the gradients: with a bias at D 256,
-whose tiles do not fit beside the split dK/dV kernel's rings (a mask's one-byte tiles do), nor
-dS's staging tiles beside the dQ kernel's.
+ALiBi's, costs no dS). `blockwise` (FlashAttention's backward in XLA ops, O(T) extra memory
+like the kernels) is the backward of head dims without kernels (none today).
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ KERNEL_BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 def backward_in_kernels(head_dim: int, opts) -> bool:
   """Whether the backward kernels (not `blockwise`) compute the gradients."""
-  if opts.bias and not opts.bias_is_mask and head_dim >= config_lib.SPLIT_DKV_HEAD_DIM:
-    return False  # No room for a bias's tiles, nor dS's (see the module docstring).
+  del opts  # Every option runs in the kernels.
   return head_dim in KERNEL_BACKWARD_HEAD_DIMS
 
 

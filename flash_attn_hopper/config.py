@@ -26,6 +26,18 @@ SPLIT_DKV_HEAD_DIM = 256
 #: Bytes of the two float16 Pᵀ slots that kernel hands between its warpgroups, per entry of
 #: a (block_kv, block_q) block.
 SPLIT_DKV_P_SLOT_BYTES = 2 * 2
+#: Up to this head dim the dQ kernel writes a bias's gradient dS through a staging tile per
+#: compute warpgroup and TMA. Above it the tiles do not fit (at D 256 they would take the dQ
+#: kernel to 230,400 bytes), so each thread stores its dS fragment from registers into an
+#: array padded to whole tiles.
+DS_STAGING_MAX_HEAD_DIM = 128
+
+
+def split_bias_stages(num_stages: int, full_bytes: int) -> int:
+  """The depth of the split dK/dV kernel's ring of bias tiles, given the kernel's shared
+  memory `full_bytes` with it `num_stages` deep: that, where it fits, else one slot (a
+  two-byte bias at D 256: 230,400 bytes with two, 222,208 with one)."""
+  return num_stages if full_bytes <= SMEM_BUDGET else 1
 
 
 def _validate_tiles(cfg) -> None:
@@ -158,7 +170,8 @@ class BackwardConfig:
     """Shared memory of the larger of the two kernels.
 
     dQ: Q and dO tiles per compute warpgroup, their LSE and δ, and the K/V ring (with
-    `bias_grad`, a (block_q × block_kv) staging tile of dS per compute warpgroup).
+    `bias_grad` up to DS_STAGING_MAX_HEAD_DIM, a (block_q × block_kv) staging tile of dS
+    per compute warpgroup).
     dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
     (With `segments`, each adds its int32 ids: one tile's and a ring's; with a bias, a ring
     of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)"""
@@ -167,7 +180,8 @@ class BackwardConfig:
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
           + 2 * self.dq_stages * self.block_kv * head_dim * itemsize
           + self.dq_stages * q_rows * self.block_kv * bias_bytes
-          + (q_rows * self.block_kv * itemsize if bias_grad else 0))
+          + (q_rows * self.block_kv * itemsize
+             if bias_grad and head_dim <= DS_STAGING_MAX_HEAD_DIM else 0))
     if segments:
       dq += (q_rows + self.dq_stages * self.block_kv) * 4
     return max(dq, self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes))
@@ -177,14 +191,19 @@ class BackwardConfig:
     """The dK/dV kernel's: K and V tiles, the ring of Q, dO, the LSE and δ, and from
     SPLIT_DKV_HEAD_DIM on (`kernels/dkv_split.py`, whose `smem_bytes` this mirrors; a test
     checks that they agree) one key block per CTA and the two Pᵀ slots between its
-    warpgroups, else a key block per compute warpgroup."""
+    warpgroups (and a bias ring `split_bias_stages` deep), else a key block per compute
+    warpgroup."""
     split = head_dim >= SPLIT_DKV_HEAD_DIM
     kv_rows = self.block_kv * (1 if split else pipeline.NUM_COMPUTE_WARPGROUPS)
     ring = self.num_stages * self.block_q * (2 * head_dim * itemsize + 2 * 4)
     p_slots = SPLIT_DKV_P_SLOT_BYTES * kv_rows * self.block_q if split else 0
     ids = (kv_rows + self.num_stages * self.block_q) * 4 if segments else 0
-    bias_ring = self.num_stages * kv_rows * self.block_q * bias_bytes
-    return 2 * kv_rows * head_dim * itemsize + ring + p_slots + ids + bias_ring
+    rest = 2 * kv_rows * head_dim * itemsize + ring + p_slots + ids
+    bias_tile = kv_rows * self.block_q * bias_bytes
+    stages = self.num_stages
+    if split:
+      stages = split_bias_stages(stages, rest + stages * bias_tile)
+    return rest + stages * bias_tile
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0, bias_grad: bool = False) -> None:

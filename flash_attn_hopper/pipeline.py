@@ -144,9 +144,10 @@ class Stream(NamedTuple):
       ring: the producer copies them to the slots of their positions, consumers observe
       those steps alone, and a step that needs no block costs no barrier traffic (a bias
       tile skipped on a fully visible block). `drain` then takes the needed steps' total.
-    stages: with `position`, the depth of the stream's own ring when it differs from the
-      shared one (None: the same): its positions run on their own, so its slots may be
-      fewer (a bias's ring at D 256, where two stages of it do not fit beside K and V).
+    stages: the depth of the stream's own ring when it differs from the shared one (None:
+      the same): a sparse stream's positions run on their own, a dense stream's steps take
+      slot step % stages. Its slots may then be fewer (a bias's ring at D 256, where two
+      stages of it do not fit beside the other rings).
   """
   src: Callable
   smem: object
@@ -160,6 +161,11 @@ class Stream(NamedTuple):
 def stages_of(stream: Stream, num_stages: int) -> int:
   """The depth of `stream`'s ring: its own `stages`, else the shared `num_stages`."""
   return num_stages if stream.stages is None else stream.stages
+
+
+def stream_slot(stream: Stream, step, num_stages: int):
+  """The slot of a dense stream's step `step` in its own ring."""
+  return slot_of(step, stages_of(stream, num_stages))
 
 
 def stream_barrier_types(num_stages: int) -> tuple:
@@ -185,16 +191,25 @@ def produce(streams, first_step, num_steps, num_stages: int):
         pl.when(stream.needed(step))(
             lambda stream=stream: _copy_sparse(stream, step, num_stages))
         continue
-      pl.when(refill)(lambda stream=stream: plgpu.barrier_wait(stream.consumed.at[slot]))
-      copy = lambda stream=stream: plgpu.copy_gmem_to_smem(
-          stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
-      if stream.needed is None:
-        copy()
-      else:
-        needed = stream.needed(step)
-        pl.when(needed)(copy)
-        pl.when(jnp.logical_not(needed))(
-            lambda stream=stream: plgpu.barrier_arrive(stream.ready.at[slot]))
+      own_slot, own_refill = slot, refill
+      if stream.stages is not None:  # A ring of its own depth.
+        own_slot = slot_of(ring_step, stream.stages)
+        own_refill = ring_step >= stream.stages
+      _copy_dense(stream, step, own_slot, own_refill)
+
+
+def _copy_dense(stream: Stream, step, slot, refill):
+  """A dense stream's block `step` into `slot`, once the slot's last use is over (`refill`);
+  a block it does not need completes the slot's `ready` phase without data."""
+  pl.when(refill)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
+  copy = lambda: plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot],
+                                         stream.ready.at[slot])
+  if stream.needed is None:
+    copy()
+  else:
+    needed = stream.needed(step)
+    pl.when(needed)(copy)
+    pl.when(jnp.logical_not(needed))(lambda: plgpu.barrier_arrive(stream.ready.at[slot]))
 
 
 def _copy_sparse(stream: Stream, step, num_stages: int):
@@ -222,10 +237,12 @@ def drain(streams, total_steps, num_stages: int, sparse_total=None):
   """Waits for the last use of every slot, so that no phase of a consumed barrier goes
   unobserved and no read of the ring is in flight when the CTA exits. A sparse stream
   (`Stream.position`) drains over its own positions: `sparse_total` of them."""
-  dense = [stream for stream in streams if stream.position is None]
-  groups = [(dense, total_steps, num_stages)] if dense else []
-  groups += [([stream], sparse_total, stages_of(stream, num_stages))
-             for stream in streams if stream.position is not None]
+  shared = [s for s in streams if s.position is None and s.stages is None]
+  groups = [(shared, total_steps, num_stages)] if shared else []
+  groups += [([s], total_steps if s.position is None else sparse_total, s.stages)
+             for s in streams if s.stages is not None]
+  groups += [([s], sparse_total, num_stages)
+             for s in streams if s.position is not None and s.stages is None]
   for group, total, stages in groups:
 
     @pl.loop(jnp.maximum(total - stages, 0), total)

@@ -263,8 +263,11 @@ def test_shared_memory_at_head_dim_256():
   # Q and dO ring 128 KiB, K and V 64 KiB, two Pᵀ slots 16 KiB, the LSE and δ ring 1 KiB.
   assert need == (128 + 64 + 16 + 1) * 1024 <= config_lib.SMEM_BUDGET
   dkv_split.check_config(cfg, 256, 2, segments=True, bias_bytes=1)  # A mask's ring: 8 KiB.
-  with pytest.raises(ValueError, match="block_q or BackwardConfig.num_stages"):
-    dkv_split.check_config(cfg, 256, 2, bias_bytes=2)
+  # A bias's ring, two bytes an entry, fits one slot deep only (8 KiB; two would be 16).
+  assert dkv_split.bias_stages(cfg, 256, 2, False, bias_bytes=1) == cfg.num_stages
+  assert dkv_split.bias_stages(cfg, 256, 2, True, bias_bytes=2) == 1
+  assert dkv_split.smem_bytes(cfg, 256, 2, bias_bytes=2) == need + 8 * 1024
+  dkv_split.check_config(cfg, 256, 2, segments=True, bias_bytes=2)
   with pytest.raises(ValueError, match="block_q or BackwardConfig.num_stages"):
     dkv_split.check_config(config_lib.BackwardConfig(num_stages=3), 256, 2)
   with pytest.raises(ValueError, match="block_q or BackwardConfig.num_stages"):
@@ -273,7 +276,8 @@ def test_shared_memory_at_head_dim_256():
     dkv_split.check_config(config_lib.BackwardConfig(block_kv=128), 256, 2)
 
 
-@pytest.mark.parametrize("segments, bias_bytes", [(False, 0), (True, 0), (False, 1), (True, 1)])
+@pytest.mark.parametrize("segments, bias_bytes", [(False, 0), (True, 0), (False, 1), (True, 1),
+                                                  (True, 2)])
 def test_config_budgets_the_split_kernel_as_it_allocates(segments, bias_bytes):
   """`BackwardConfig.smem_bytes` mirrors this kernel's own count (config cannot import it)."""
   cfg = config_lib.BackwardConfig(dq_num_stages=1)
@@ -286,15 +290,6 @@ def test_config_budgets_the_split_kernel_as_it_allocates(segments, bias_bytes):
     config_lib.BackwardConfig().check_fits(256, 2)
   with pytest.raises(ValueError, match="BackwardConfig.dq_num_stages must be"):
     config_lib.BackwardConfig(dq_num_stages=0)
-
-
-def test_a_bias_raises_a_clear_error():
-  q = jax.ShapeDtypeStruct((1, 128, 2, 256), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((1, 128, 2, 256), jnp.bfloat16)
-  opts = common.BackwardOptions(scale=0.1, mask=masking.MaskSpec(),
-                                config=config_lib.BackwardConfig(), bias=(False, False))
-  with pytest.raises(NotImplementedError, match="no bias tiles"):
-    dkv_split.dkv(q, kv, kv, q, None, None, opts)
 
 
 def _lower(*, dtype=jnp.bfloat16, t=1024, s=1024, heads=(8, 2), kv_lens=False,

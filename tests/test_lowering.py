@@ -67,18 +67,36 @@ def test_kernels_lower_for_hopper(feature, d, grad):
   kw = dict(FEATURES[feature])
   text = _lower(d, grad, **kw)
   kernels = {"fwd"}
-  if grad and d in autodiff.KERNEL_BACKWARD_HEAD_DIMS and (
-      "bias" not in kw or d < config_lib.SPLIT_DKV_HEAD_DIM):
-    # (else the gradient is `blockwise`'s, in XLA); with a bias, dQ writes dS too
+  if grad and d in autodiff.KERNEL_BACKWARD_HEAD_DIMS:  # (else `blockwise`'s, in XLA)
     kernels |= {"dq", "dkv_split" if d >= config_lib.SPLIT_DKV_HEAD_DIM else "dkv"}
   for name in kernels:
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
 
 
 @pytest.mark.usefixtures("as_if_on_hopper")
-@pytest.mark.parametrize("feature", [f for f in FEATURES if f != "bias"])
+@pytest.mark.parametrize("feature", list(FEATURES))
 def test_head_dim_256_backward_runs_the_split_kernel(feature):
   """At D 256 the gradients come from dQ (one-stage ring) and the split dK/dV kernel."""
   text = _lower(256, True, **dict(FEATURES[feature]))
   for name in ("fwd", "dq", "dkv_split"):
+    assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_bias_gradient_lowers_for_hopper(d):
+  """A differentiated bias: the dQ kernel writes dS (through staging tiles up to D 128, from
+  registers at D 256), beside the dK/dV kernel's bias tiles."""
+  q = jax.ShapeDtypeStruct((2, 1000, 8, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 777, 2, d), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((1, 8, 1000, 777), jnp.bfloat16)
+
+  def loss(q, k, v, bias):
+    out = fah.dot_product_attention(q, k, v, bias, implementation="flash_attn_hopper")
+    return out.astype(jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, kv, kv, bias).lower(
+      lowering_platforms=("cuda",)).as_text()
+  split = d >= config_lib.SPLIT_DKV_HEAD_DIM
+  for name in ("fwd", "dq", "dkv_split" if split else "dkv"):
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"

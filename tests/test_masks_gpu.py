@@ -123,6 +123,20 @@ def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
                                bias=bias if with_bias else None)
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_mask_and_bias_with_ragged_lengths(rng, d):
+  """T and S that are not multiples of any tile: the bias's and the mask's tile columns are
+  padded for TMA, and dS (through staging tiles at D 128, from registers at D 256) is
+  written in whole tiles and sliced."""
+  t, s = 1000, 777
+  w = workloads.Workload("ragged", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
+                         head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  bias = jnp.asarray(rng.standard_normal((1, 8, t, s)), jnp.bfloat16)
+  mask = jnp.asarray(rng.random((2, 1, t, s)) > 0.1)
+  _check_forward_and_gradients(rng, q, k, v, bias=bias, mask=mask, is_causal=True)
+
+
 def test_constant_bias_gradients(rng):
   """A bias that is not differentiated (ALiBi's, say): the backward kernels stream its tiles
   and write no dS."""

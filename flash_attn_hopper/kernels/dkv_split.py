@@ -32,13 +32,13 @@ A `mask` (uint8 tiles, `opts.bias_is_mask`) streams as a fifth ring of (BLOCK_KV
 tiles (transposed, as in `dkv`), narrows the query blocks to those it leaves visible to some
 query head of the group, and is applied, with the element masks, on the blocks it does not
 leave wholly visible for the step's head; elsewhere no tile is copied. A bias (two bytes an
-entry) does not fit beside the rings at D 256: `autodiff` sends a bias's gradients there to
-`blockwise`, and this kernel raises NotImplementedError.
+entry) streams the same way, in a ring one slot deep (`bias_stages`): two slots do not fit
+beside the other rings at D 256.
 
 Shared memory at D 256, 16-bit, block_q 64, two stages (`smem_bytes`): the Q and dO ring
 2·2·64·256·2 = 128 KiB, K and V 64 KiB, the two Pᵀ slots 16 KiB, the LSE and δ ring 1 KiB:
 209 KiB of the 219 KiB budget; segment ids add 0.75 KiB and a mask's ring 8 KiB (217.75 KiB
-with both).
+with both), a bias's 16 KiB with two slots, so it takes one (8 KiB).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class _Refs(NamedTuple):
   masks: common.MaskInputs  # key lengths, segment ids and spans (per key block)
   k_ids_smem: object = None  # segments: (BLOCK_KV,) int32
   q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
-  mask_ring: object = None   # mask: (num_stages, 1, BLOCK_KV, block_q) uint8, transposed
+  mask_ring: object = None   # mask or bias: (bias stages, 1, BLOCK_KV, block_q), transposed
 
 
 class _PBarriers(NamedTuple):
@@ -147,12 +147,27 @@ def smem_bytes(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
                segments: bool = False, bias_bytes: int = 0) -> int:
   """Shared memory the kernel allocates: K and V (then dK and dV), the Pᵀ slots, the ring of
   Q, dO, the LSE and δ (with `segments`, the keys' ids and a ring of the queries'; with
-  `bias_bytes` an entry, 1 for a mask, a ring of (BLOCK_KV, block_q) tiles)."""
+  `bias_bytes` an entry, 1 for a mask, a ring of (BLOCK_KV, block_q) tiles `bias_stages`
+  deep)."""
+  rest = _bytes_but_bias(cfg, head_dim, itemsize, segments)
+  return rest + bias_stages(cfg, head_dim, itemsize, segments, bias_bytes) * \
+      BLOCK_KV * cfg.block_q * bias_bytes
+
+
+def _bytes_but_bias(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
+                    segments: bool) -> int:
   tiles = 2 * BLOCK_KV * head_dim * itemsize
   p_slots = P_SLOTS * BLOCK_KV * cfg.block_q * jnp.dtype(P_DTYPE).itemsize
   ids = (BLOCK_KV + cfg.num_stages * cfg.block_q) * 4 if segments else 0
-  bias_ring = cfg.num_stages * BLOCK_KV * cfg.block_q * bias_bytes
-  return tiles + _ring_bytes(cfg, head_dim, itemsize) + p_slots + ids + bias_ring
+  return tiles + _ring_bytes(cfg, head_dim, itemsize) + p_slots + ids
+
+
+def bias_stages(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
+                segments: bool, bias_bytes: int) -> int:
+  """Slots of the ring of bias (or mask) tiles: `config_lib.split_bias_stages`'s rule."""
+  full = _bytes_but_bias(cfg, head_dim, itemsize, segments) + \
+      cfg.num_stages * BLOCK_KV * cfg.block_q * bias_bytes
+  return config_lib.split_bias_stages(cfg.num_stages, full)
 
 
 def check_config(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
@@ -237,8 +252,8 @@ def _head_blocks(tile: _Tile, masks: common.MaskInputs, opts, head) -> masking.B
 
 
 def _mask_stream(tile: _Tile, refs: _Refs, ready, consumed, dims, opts) -> pipeline.Stream:
-  """A mask's transposed tiles, (this CTA's keys, the step's queries), copied on the steps
-  that warpgroup 0 masks (`_head_blocks`)."""
+  """A mask's (or a bias's) transposed tiles, (this CTA's keys, the step's queries), copied
+  on the steps that warpgroup 0 masks (`_head_blocks`), in a ring of its own depth."""
   masks, cfg = refs.masks, opts.config
   _, num_heads, row_blocks, _ = masks.bias_spans.shape
 
@@ -251,19 +266,22 @@ def _mask_stream(tile: _Tile, refs: _Refs, ready, consumed, dims, opts) -> pipel
   def needed(step):
     head, q0 = dkv_kernel.step_rows(step, tile, dims, cfg)
     return ~_head_blocks(tile, masks, opts, head).is_full(q0 // cfg.block_q)
-  return pipeline.Stream(src, refs.mask_ring, ready, consumed, needed)
+  depth = refs.mask_ring.shape[0]
+  return pipeline.Stream(src, refs.mask_ring, ready, consumed, needed,
+                         stages=None if depth == cfg.num_stages else depth)
 
 
-def _wait_ready(streams, slot):
+def _wait_ready(streams, step, num_stages: int):
+  """Waits for ring step `step` of each stream, in its own ring's slot."""
   for stream in streams:
-    plgpu.barrier_wait(stream.ready.at[slot])
+    plgpu.barrier_wait(stream.ready.at[pipeline.stream_slot(stream, step, num_stages)])
 
 
-def _release(streams, slot):
-  """Arrives on the consumed barrier of each stream (`None`s skipped) for `slot`."""
+def _release(streams, step, num_stages: int):
+  """Arrives on the consumed barrier of ring step `step` of each stream (`None`s skipped)."""
   for stream in streams:
     if stream is not None:
-      plgpu.barrier_arrive(stream.consumed.at[slot])
+      plgpu.barrier_arrive(stream.consumed.at[pipeline.stream_slot(stream, step, num_stages)])
 
 
 def _split_streams(streams, opts):
@@ -298,13 +316,15 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
-  _wait_ready(streams, slot)
+  stages = cfg.num_stages
+  _wait_ready(streams, step, stages)
   st = common.matmul(refs.k_smem, refs.q_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
-  _release((q_s,), slot)  # Warpgroup 0 reads Q for Sᵀ only.
+  _release((q_s,), step, stages)  # Warpgroup 0 reads Q for Sᵀ only.
   mask_t = None  # A mask's tile comes on masked steps only (`_mask_stream`).
   if masked and mask_s is not None:
-    mask_t = common.bias_values(refs.mask_ring.at[slot, 0][...], opts)
-  _release((mask_s,), slot)
+    mask_slot = pipeline.stream_slot(mask_s, step, stages)
+    mask_t = common.bias_values(refs.mask_ring.at[mask_slot, 0][...], opts)
+  _release((mask_s,), step, stages)
   st, cap_grad = opts.logits.transform(st, mask_t)
   if masked:
     segments = None
@@ -314,7 +334,7 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
     st = masking.apply_element_mask(st, q0, tile.key0, tile.seq_kv if opts.kv_lens else None,
                                     opts.mask, key_axis=0, segments=segments)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
-  _release((ids_s, lse_s, delta_s), slot)  # δ is warpgroup 1's.
+  _release((ids_s, lse_s, delta_s), step, stages)  # δ is warpgroup 1's.
 
   pt = softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1)
   # With a soft-cap, dSᵀ = Pᵀ ∘ cap' ∘ (dPᵀ − δ): warpgroup 1 gets Pᵀ ∘ cap'.
@@ -322,7 +342,7 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
   staging = None if refs.staging is None else refs.staging.at[_Role.DV]
   dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), refs.do_ring.at[slot],
                                     staging=staging)
-  _release((do_s,), slot)
+  _release((do_s,), step, stages)
   return dv
 
 
@@ -331,18 +351,19 @@ def _dk_step(step, dk, *, refs: _Refs, streams, pbar, dims, opts):
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
-  _wait_ready(streams, slot)
-  _release((lse_s, ids_s, mask_s), slot)  # Warpgroup 0's.
+  stages = cfg.num_stages
+  _wait_ready(streams, step, stages)
+  _release((lse_s, ids_s, mask_s), step, stages)  # Warpgroup 0's.
   dpt = common.matmul(refs.v_smem, refs.do_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
-  _release((do_s,), slot)
+  _release((do_s,), step, stages)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
-  _release((delta_s,), slot)
+  _release((delta_s,), step, stages)
   # After dPᵀ: freeing the Pᵀ slot also tells warpgroup 0 that this step's V read is done.
   dst = softmax.logits_grad(_take_p(step, refs, pbar), dpt, delta, query_axis=1)
   staging = None if refs.staging is None else refs.staging.at[_Role.DK]
   dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
                                     staging=staging)
-  _release((q_s,), slot)
+  _release((q_s,), step, stages)
   return dk
 
 
@@ -432,6 +453,8 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
   masks, (dk, dv) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   stages = cfg.num_stages
+  bias_ring = bias_stages(cfg, dims.head_dim, jnp.dtype(dims.dtype).itemsize, opts.segments,
+                          opts.bias_bytes(dims.dtype))
   scratch = (
       common.smem_tile((BLOCK_KV, dims.head_dim), dims.dtype),
       common.smem_tile((BLOCK_KV, dims.head_dim), dims.dtype),
@@ -442,16 +465,17 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
       common.smem_tile((P_SLOTS, BLOCK_KV, cfg.block_q), P_DTYPE),
       plgpu.SMEM((BLOCK_KV,), jnp.int32) if opts.segments else None,
       plgpu.SMEM((stages, cfg.block_q), jnp.int32) if opts.segments else None,
-      common.smem_tile((stages, 1, BLOCK_KV, cfg.block_q), opts.bias_dtype(dims.dtype))
+      common.smem_tile((bias_ring, 1, BLOCK_KV, cfg.block_q), opts.bias_dtype(dims.dtype))
       if opts.bias else None,
   )
   staging = accumulate.staging_types(pipeline.NUM_COMPUTE_WARPGROUPS, (BLOCK_KV, cfg.block_q),
                                      dims.dtype, interpret=opts.interpret)
-  num_streams = 4 + bool(opts.segments) + bool(opts.bias)  # Q, dO, LSE, δ (, ids) (, mask)
+  num_streams = 4 + bool(opts.segments)  # Q, dO, LSE, δ (, ids); then the mask's, if any
   barriers = (plgpu.Barrier(num_barriers=len(_TileLoad) if opts.segments else _TileLoad.K_IDS),
               plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ ready
               plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ consumed
-              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
+              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)),
+              *(pipeline.stream_barrier_types(bias_ring) if opts.bias else ()))
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, k_ids_smem,
              q_ids_ring, mask_ring, *rest):
@@ -477,15 +501,9 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   registers (D 256).
 
   `opts.config` is a `BackwardConfig` with block_kv == BLOCK_KV (its block_q and num_stages
-  are used; see `check_config`). A mask (`opts.bias_is_mask`) is supported, a bias is not.
+  are used; see `check_config`). A mask's or a bias's tiles stream in a ring of their own
+  depth (`bias_stages`).
   """
-  if opts.bias and not opts.bias_is_mask:
-    need = smem_bytes(config_lib.BackwardConfig(), 256, 2, bias_bytes=2)
-    raise NotImplementedError(
-        "the split dK/dV kernel takes a mask's uint8 tiles but no bias tiles: at head_dim 256 "
-        f"a ring of them does not fit beside Q, dO, K, V and the Pᵀ slots ({need} bytes with "
-        f"the smallest blocks, over the {config_lib.SMEM_BUDGET}-byte budget); a bias's "
-        "gradients come from the blockwise backward")
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   check_config(cfg, dims.head_dim, jnp.dtype(dims.dtype).itemsize, opts.segments,

@@ -16,8 +16,10 @@ ring as the forward's, over the same KV block range (`masking.kv_block_range`):
 With `opts.bias_grad` the kernel also writes dS, the gradient of the biased logits, (B, N, T, S)
 in the bias's dtype: each warpgroup stores its visited blocks through a staging tile and TMA
 (the store of a block runs under the next block's matmuls), then zeros into every block it
-did not visit (`_zero_unvisited_ds`), so that no entry is left unwritten. `autodiff` sums it
-over the bias's broadcast dimensions.
+did not visit (`_zero_unvisited_ds`), so that no entry is left unwritten. Above
+`config.DS_STAGING_MAX_HEAD_DIM` the staging tiles do not fit, and each thread stores its
+fragment from registers. The array is padded to whole tiles (a TMA store's box must divide
+it), and `dq` slices it to (T, S); `backward` sums it over the bias's broadcast dimensions.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flash_attn_hopper import accumulate
+from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
@@ -65,7 +68,7 @@ class _Refs(NamedTuple):
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
   ids_ring: object = None    # segments: (dq stages, block_kv) int32, the keys' ids
   ds: object = None          # bias_grad: (B, N, T, S) dS out, in the bias's dtype
-  ds_smem: object = None     # bias_grad: (compute warpgroups, block_q, block_kv) staging
+  ds_smem: object = None     # bias_grad, D ≤ 128: (compute warpgroups, block_q, block_kv)
 
 
 class _Tile(NamedTuple):
@@ -115,7 +118,7 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
   plgpu.barrier_arrive(v_s.consumed.at[slot])
   ds = softmax.logits_grad(p, dp, delta, cap_grad=cap_grad).astype(dims.dtype)
   if refs.ds is not None:
-    _store_ds(ds, _ds_block(refs, tile, q0, step, cfg), refs.ds_smem.at[wg])
+    _store_ds(ds, _ds_block(refs, tile, q0, step, cfg), refs.ds_smem, wg)
   carry = accumulate.matmul_accumulate(carry, ds, refs.k_ring.at[slot], staging=staging)
   plgpu.barrier_arrive(k_s.consumed.at[slot])
   return carry
@@ -127,30 +130,40 @@ def _ds_block(refs: _Refs, tile: "_Tile", q0, block, cfg):
                     pl.ds(block * cfg.block_kv, cfg.block_kv)]
 
 
-def _store_ds(ds, dst, ds_smem):
-  """One block of dS out through the warpgroup's staging tile, once the previous block's
-  store has read it; the copy runs on while the warpgroup goes on."""
+def _store_ds(ds, dst, ds_smem, wg):
+  """One block of dS out: through warpgroup `wg`'s staging tile, once the previous block's
+  store has read it, the copy running on while the warpgroup goes on; without staging
+  tiles (`ds_smem` None), each thread's fragment straight from registers."""
+  if ds_smem is None:
+    dst[...] = ds
+    return
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  ds_smem[...] = ds
+  ds_smem.at[wg][...] = ds
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(ds_smem, dst)
+  plgpu.copy_smem_to_gmem(ds_smem.at[wg], dst)
 
 
 def _zero_unvisited_ds(own: masking.BlockRange, tile: "_Tile", q0, refs: _Refs, wg, dims,
                        opts):
   """Zeros into this warpgroup's dS blocks outside its own run (P = 0 there): from the
-  staging tile, filled with zeros once."""
+  staging tile, filled with zeros once, or (without staging tiles) from registers."""
   cfg = opts.config
-  ds_smem = refs.ds_smem.at[wg]
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  ds_smem[...] = common.zeros_accumulator((cfg.block_q, cfg.block_kv)).astype(ds_smem.dtype)
-  plgpu.commit_smem()
+  zeros = common.zeros_accumulator((cfg.block_q, cfg.block_kv)).astype(dims.dtype)
+  if refs.ds_smem is not None:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    refs.ds_smem.at[wg][...] = zeros
+    plgpu.commit_smem()
+
+  def zero(dst):
+    if refs.ds_smem is None:
+      dst[...] = zeros
+    else:
+      plgpu.copy_smem_to_gmem(refs.ds_smem.at[wg], dst)
 
   @pl.loop(0, pl.cdiv(refs.ds.shape[3], cfg.block_kv))
   def _zero(block):
-    outside = jnp.logical_or(block < own.first, block >= own.end)
-    pl.when(outside)(lambda: plgpu.copy_smem_to_gmem(
-        ds_smem, _ds_block(refs, tile, q0, block, cfg)))
+    pl.when(jnp.logical_or(block < own.first, block >= own.end))(
+        lambda: zero(_ds_block(refs, tile, q0, block, cfg)))
 
 
 def _release_step(step, _, *, ring0, streams, num_stages):
@@ -252,7 +265,8 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
       plgpu.SMEM((stages, cfg.block_kv), jnp.int32) if opts.segments else None,
       common.smem_tile((stages, wgs, cfg.block_q, cfg.block_kv), opts.bias_dtype(dims.dtype))
       if opts.bias else None,
-      common.smem_tile((wgs, cfg.block_q, cfg.block_kv), dims.dtype) if ds else None,
+      common.smem_tile((wgs, cfg.block_q, cfg.block_kv), dims.dtype)
+      if ds and dims.head_dim <= config_lib.DS_STAGING_MAX_HEAD_DIM else None,
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
                                      interpret=opts.interpret)
@@ -309,12 +323,17 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
   masks = masks.with_bias(bias, rows=num_q_tiles * rows, row_block=cfg.block_q,
                           col_block=cfg.block_kv)
   out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
-  if opts.bias_grad:
-    out_type = (out_type, jax.ShapeDtypeStruct((dims.batch, dims.num_q_heads, q.shape[1],
-                                                k.shape[1]), q.dtype))
-  return common.launch(
+  if opts.bias_grad:  # In whole tiles: stores are not clipped at T and S (sliced below).
+    shape = (num_q_tiles * rows, pl.cdiv(k.shape[1], cfg.block_kv) * cfg.block_kv)
+    out_type = (out_type, jax.ShapeDtypeStruct((dims.batch, dims.num_q_heads, *shape),
+                                               q.dtype))
+  out = common.launch(
       functools.partial(_entry, dims=dims, num_q_tiles=num_q_tiles, opts=opts), q, k, v, do,
       lse_log2, delta,
       *masks.arrays(), out_type=out_type,
       grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
       name="flash_attn_hopper_dq", interpret=opts.interpret)
+  if opts.bias_grad:
+    dq_out, ds = out
+    return dq_out, ds[:, :, :q.shape[1], :k.shape[1]]
+  return out
