@@ -311,8 +311,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       kernels stream the same tiles, and a differentiated bias's gradient is the dQ kernel's
       dS, (B, N, T, S) in the inputs' dtype, summed over the dimensions the bias broadcasts
       (a bias that is not differentiated writes none). A bias is rounded to the inputs'
-      dtype. At D 256 a bias's gradients come from `blockwise` (XLA): its tiles do not fit
-      beside the dK/dV kernel's.
+      dtype.
     query_seq_lengths, key_value_seq_lengths: (B,) int32, as in `jax.nn` (padding). Keys
       past a batch element's length are masked and their blocks skipped; output rows past a
       query's length are zero.
