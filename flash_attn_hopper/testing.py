@@ -109,12 +109,17 @@ def check_attention(actual_out, q, k, v, *, actual_lse=None, **kwargs):
     assert lse_err <= lse_bound, f"lse: max abs error {lse_err:.3g} > bound {lse_bound:.3g}"
 
 
-def gradients(attention, q, k, v, dout, **kwargs):
+def gradients(attention, q, k, v, dout, *, wrt_bias=None, **kwargs):
   """The vjp of `attention(q, k, v, **kwargs)` for the cotangent `dout`: (dq, dk, dv), and
-  dbias after them when `kwargs` holds a bias (`check_gradients` then checks it too)."""
+  dbias after them when `wrt_bias` (default: whether `kwargs` holds a bias;
+  `check_gradients` then checks it too)."""
   bias = kwargs.pop("bias", None)
-  fn = lambda q, k, v, *b: attention(q, k, v, **kwargs, **({"bias": b[0]} if b else {}))
-  return jax.vjp(fn, q, k, v, *(() if bias is None else (bias,)))[1](dout)
+  if wrt_bias is None:
+    wrt_bias = bias is not None
+  if not wrt_bias:
+    return jax.vjp(lambda q, k, v: attention(q, k, v, bias=bias, **kwargs), q, k, v)[1](dout)
+  fn = lambda q, k, v, bias: attention(q, k, v, bias=bias, **kwargs)
+  return jax.vjp(fn, q, k, v, bias)[1](dout)
 
 
 def check_gradients(actual, q, k, v, dout, **kwargs):
@@ -122,17 +127,15 @@ def check_gradients(actual, q, k, v, dout, **kwargs):
   float32 reference's gradients for the cotangent `dout`, with the same rule as the output:
   at most ERROR_FACTOR × the naive implementation's error."""
   f32 = lambda *xs: tuple(jnp.asarray(x, jnp.float32) for x in xs)
-  primals = (q, k, v)
-  if len(actual) == 4:  # Differentiate with respect to the bias too.
-    kwargs = dict(kwargs)
-    primals += (kwargs.pop("bias"),)
-    assert actual[3].dtype == primals[3].dtype, f"dbias: dtype {actual[3].dtype}"
-  of = lambda attention: lambda q, k, v, *bias: attention(
-      q, k, v, **kwargs, **({"bias": bias[0]} if bias else {}))
-  _, ref_vjp = jax.vjp(of(reference.attention_reference), *f32(*primals))
-  _, naive_vjp = jax.vjp(of(naive_attention), *primals)
-  refs = ref_vjp(*f32(dout))
-  naives = naive_vjp(dout)
+  wrt_bias = len(actual) == 4
+  if wrt_bias:
+    assert actual[3].dtype == kwargs["bias"].dtype, f"dbias: dtype {actual[3].dtype}"
+  ref_kwargs = dict(kwargs)
+  if kwargs.get("bias") is not None:
+    ref_kwargs["bias"] = f32(kwargs["bias"])[0]
+  refs = gradients(reference.attention_reference, *f32(q, k, v, dout), wrt_bias=wrt_bias,
+                   **ref_kwargs)
+  naives = gradients(naive_attention, q, k, v, dout, wrt_bias=wrt_bias, **kwargs)
   for name, a, r, n in zip(("dq", "dk", "dv", "dbias"), actual, refs, naives):
     assert_close_to_reference(a, r, n, what=name)
 
