@@ -170,8 +170,8 @@ def _kernel_block_backward(q, k, v, out, lse, dout, segments, is_causal, scale, 
   bwd_opts = common.BackwardOptions(scale=scale, mask=masking.MaskSpec(is_causal=is_causal),
                                     config=cfg, interpret=opts.interpret, seq_kv=s,
                                     segments=segments is not None)
-  dq, dk, dv = backward_kernel.attention_backward(qp, kp, vp, outp, lse_p, doutp, bwd_opts,
-                                                  None, segments)
+  dq, dk, dv, _ = backward_kernel.attention_backward(qp, kp, vp, outp, lse_p, doutp, bwd_opts,
+                                                     None, segments)  # (no bias: no dbias)
   return (dq[:, :t].astype(jnp.float32), dk[:, :s].astype(jnp.float32),
           dv[:, :s].astype(jnp.float32))
 
