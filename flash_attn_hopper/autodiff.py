@@ -31,9 +31,9 @@ from flash_attn_hopper.kernels import forward as forward_kernel
 KERNEL_BACKWARD_HEAD_DIMS = (64, 128, 256)
 
 
-def backward_in_kernels(head_dim: int, opts) -> bool:
-  """Whether the backward kernels (not `blockwise`) compute the gradients."""
-  del opts  # Every option runs in the kernels.
+def backward_in_kernels(head_dim: int) -> bool:
+  """Whether the backward kernels (not `blockwise`) compute the gradients: every option runs
+  in them, so only the head dim decides."""
   return head_dim in KERNEL_BACKWARD_HEAD_DIMS
 
 
@@ -77,7 +77,7 @@ def _attention_bwd(opts, bwd_config, residuals, cotangents):
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
   if isinstance(dout, custom_derivatives.SymbolicZero):  # Only the LSE was differentiated.
     dout = jnp.zeros(dout.shape, dout.dtype)
-  if not backward_in_kernels(q.shape[-1], opts):
+  if not backward_in_kernels(q.shape[-1]):
     dq, dk, dv, *dbias = _blockwise_backward(q, k, v, out, lse, dout, masks, opts)
   else:
     bwd_opts = common.BackwardOptions(scale=opts.scale, mask=opts.mask,

@@ -306,12 +306,8 @@ def _pick(tuned: ForwardConfig | None, head_dim: int, itemsize: int, segments: b
   for cfg in candidates:
     if cfg.fits(head_dim, itemsize, segments=segments, bias_bytes=bias_bytes):
       return cfg
-  if bias_bytes:
-    raise NotImplementedError(
-        f"flash_attn_hopper's kernel cannot take a `bias` at head_dim={head_dim}: its tiles "
-        "do not fit shared memory beside K and V (a `mask` alone does); pass "
-        "implementation='xla'")
-  raise ValueError(f"no forward config fits shared memory at head_dim={head_dim}")
+  raise ValueError(f"no forward config fits shared memory at head_dim={head_dim}"
+                   + (" beside a bias's tiles" if bias_bytes else ""))
 
 
 def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
