@@ -27,6 +27,14 @@ hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "dev")
 INTERPRETER_THREADS = 8
 os.environ.setdefault("PJRT_NPROC", str(INTERPRETER_THREADS))
 
+# On the GPU, XLA autotunes each float32 reference and naive matmul fusion by compiling and
+# timing its candidates: more than half of a GPU test's time (63 s against 27 s without, one
+# masks test on the H200, 2026-11-30). The tests time nothing of XLA's, and the reference stays
+# float32 whichever algorithm XLA picks, so they take its default. (The benchmark autotunes.)
+NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
+if NO_AUTOTUNE not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_AUTOTUNE}".strip()
+
 @functools.cache
 def hopper_status() -> tuple[bool, str]:
   """(whether the default JAX device is an sm90 GPU, a description of what was found)."""
