@@ -9,7 +9,8 @@ beside it. Full timings go to --out as JSON.
 
 Usage:
   python -m bench.autotune [--backward] [--head-dims 64,128,256] [--seq-lens 1024,4096]
-                           [--dtype float16] [--block-kv 64,128,192,256] [--repeats 10]
+                           [--dtype float16] [--block-q 64] [--block-kv 64,128,192,256]
+                           [--repeats 10]
                            [--out bench/results/autotune.json]
 """
 
@@ -31,6 +32,7 @@ from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import workloads
 from bench import timing
 
+BLOCK_Q = (64,)
 BLOCK_KV = (64, 128, 192, 256)
 NUM_STAGES = (2, 3)
 #: The backward's candidates: block_q and block_kv of both kernels (dQ and dK/dV share them).
@@ -39,15 +41,17 @@ BACKWARD_BLOCKS = (64, 128)
 CHECK_ATOL = 2e-2
 
 
-def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False) -> list:
+def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False,
+               block_qs=BLOCK_Q) -> list:
   itemsize = np.dtype(dtype).itemsize
   if backward:  # dQ's ring one stage deep only where the shared one does not fit (D 256).
     configs = [[fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=n, dq_num_stages=dq)
                 for dq in (None, 1)]
                for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2) for n in NUM_STAGES]
   else:
-    configs = [[fah.ForwardConfig(block_q=64, block_kv=bkv, num_stages=n, overlap_softmax=o)]
-               for bkv, n, o in itertools.product(block_kvs, NUM_STAGES, (False, True))]
+    configs = [[fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=n, overlap_softmax=o)]
+               for bq, bkv, n, o in itertools.product(block_qs, block_kvs, NUM_STAGES,
+                                                      (False, True))]
   out = []
   for choices in configs:
     for cfg in choices:
@@ -98,10 +102,10 @@ def _time_candidate(w, cfg, args, expected, repeats, backward=False):
 
 
 def tune(head_dim: int, is_causal: bool, seq_lens, dtype, repeats: int, block_kvs,
-         backward: bool = False) -> dict:
+         backward: bool = False, block_qs=BLOCK_Q) -> dict:
   grid = [w for w in workloads.hidden_2048_grid(seq_lens=seq_lens, head_dims=(head_dim,),
                                                 causal=(is_causal,), dtypes=(dtype,))]
-  cands = candidates(head_dim, dtype, block_kvs, backward)
+  cands = candidates(head_dim, dtype, block_kvs, backward, block_qs)
   table = {str(c): {} for c in cands}
   for w in grid:
     args = _inputs(w)
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
   p.add_argument("--seq-lens", default="1024,4096")
   p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
   p.add_argument("--dtype", default="float16", choices=config_lib.SUPPORTED_DTYPES)
+  p.add_argument("--block-q", default=",".join(map(str, BLOCK_Q)),
+                 help="the forward's query rows per compute warpgroup (default 64)")
   p.add_argument("--block-kv", default=",".join(map(str, BLOCK_KV)))
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--out", default="bench/results/autotune.json")
@@ -139,7 +145,8 @@ def main(argv=None) -> int:
   seq_lens = tuple(int(x) for x in args.seq_lens.split(","))
   causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   block_kvs = tuple(int(x) for x in args.block_kv.split(","))
-  results = [tune(d, c, seq_lens, args.dtype, args.repeats, block_kvs, args.backward)
+  block_qs = tuple(int(x) for x in args.block_q.split(","))
+  results = [tune(d, c, seq_lens, args.dtype, args.repeats, block_kvs, args.backward, block_qs)
              for d in head_dims for c in causal]
   provenance = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                 "date": datetime.date.today().isoformat(),

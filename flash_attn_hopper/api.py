@@ -167,7 +167,7 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
   is_mask = bias is not None and bias.dtype == jnp.uint8  # A mask alone (`_as_bias`).
   bias_bytes = 0 if bias is None else bias.dtype.itemsize
   cfg = config_lib.resolve_forward_config(q.shape[-1], q.dtype, spec.is_causal, config,
-                                          segments=segments, bias_bytes=bias_bytes)
+                                          segments=segments, bias_bytes=bias_bytes, seq_len=t)
   opts = forward_kernel.ForwardOptions(scale=float(scale), mask=spec, config=cfg,
                                        interpret=bool(interpret), seq_kv=s,
                                        max_ctas=INTERPRET_CTAS if interpret else None,

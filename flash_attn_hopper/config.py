@@ -224,15 +224,27 @@ class BackwardConfig:
 #   python -m bench.autotune --head-dims 64,128 --seq-lens 1024,4096 --block-kv 128,192,256
 # (geometric mean over T of the race grid's shapes). D 128 and 256 have no other candidate
 # that fits with two stages: (128, 128, 3) and (256, 128, 2) overflow shared memory.
+# D 64 retuned 2026-11-30 (jax 0.11.2, H200, fp16, race grid, interleaved against cuDNN) by
+#   python3 scripts/ab_configs.py --head-dim 64 --configs tuned 64,256,2 ...
+# ratio to cuDNN (the old entry → this one): causal, block_kv 256 and 2 stages over 128 and 2:
+# 1k 0.870 → 0.869, 2k 0.912 → 0.944, 4k 0.932 → 0.987, 8k 0.941 → 1.013, 16k 0.944 → 1.026;
+# without causal, 2 stages over 3 at 1k: 0.921 → 0.997 (4k 1.008 / 1.009, 8k 1.020 / 1.011,
+# 16k 1.009 / 0.966: `TUNED_FORWARD_LONG` keeps 3 from 4k on). block_q 128 lost everywhere
+# (0.65–0.96×), and D 128's block_kv 64 with 3 or 4 stages lost 7–23% to its entry.
 # Keys: (head_dim, is_causal).
 TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
-    (64, False): ForwardConfig(block_q=64, block_kv=256, num_stages=3),   # 403.6 TFLOP/s
-    (64, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),    # 313.8
-    (128, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2,   # 515.9
+    (64, False): ForwardConfig(block_q=64, block_kv=256, num_stages=2),
+    (64, True): ForwardConfig(block_q=64, block_kv=256, num_stages=2),
+    (128, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2,   # 515.9 TFLOP/s
                                 overlap_softmax=True),
     (128, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),   # 436.8
     (256, False): ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True),
     (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+}
+# Long sequences that prefer another forward config: (head_dim, is_causal) → (from this many
+# queries on, config), measured as above.
+TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[int, ForwardConfig]] = {
+    (64, False): (4096, ForwardConfig(block_q=64, block_kv=256, num_stages=3)),
 }
 # overlap_softmax, from an interleaved A/B on the H200 (jax 0.11.2, 2026-11-30, fp16, B·T = 16k,
 # hidden 2048, CUPTI, `python3 scripts/ab_forward_overlap.py`), forward ms without → with
@@ -271,6 +283,15 @@ TUNED_BACKWARD_LONG: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
 }
 
 
+def _tuned(table: dict, long_table: dict, head_dim: int, is_causal: bool, seq_len: int):
+  """The tuned entry for (head_dim, is_causal), or its long-sequence entry from that many
+  queries on; None where neither table has one."""
+  key = (head_dim, bool(is_causal))
+  if key in long_table and seq_len >= long_table[key][0]:
+    return long_table[key][1]
+  return table.get(key)
+
+
 def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
                             config: BackwardConfig | None = None,
                             segments: bool = False, bias_bytes: int = 0,
@@ -280,10 +301,8 @@ def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
   `bias_grad`: with dS's staging tiles)."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
-    key = (head_dim, bool(is_causal))
-    config = TUNED_BACKWARD.get(key, BackwardConfig())
-    if key in TUNED_BACKWARD_LONG and seq_len >= TUNED_BACKWARD_LONG[key][0]:
-      config = TUNED_BACKWARD_LONG[key][1]
+    config = _tuned(TUNED_BACKWARD, TUNED_BACKWARD_LONG, head_dim, is_causal, seq_len)
+    config = BackwardConfig() if config is None else config
     try:
       config.check_fits(head_dim, itemsize, segments, bias_bytes, bias_grad)
     except ValueError:
@@ -312,14 +331,16 @@ def _pick(tuned: ForwardConfig | None, head_dim: int, itemsize: int, segments: b
 
 def resolve_forward_config(head_dim: int, dtype, is_causal: bool,
                            config: ForwardConfig | None = None,
-                           segments: bool = False, bias_bytes: int = 0) -> ForwardConfig:
-  """Picks the forward config: explicit, else tuned, else heuristic; checked to fit (with
-  the segment ids' buffers when `segments`, the bias ring when `bias_bytes`). A tuned config that
-  does not fit beside a bias gives way to the heuristic (`_pick`)."""
+                           segments: bool = False, bias_bytes: int = 0,
+                           seq_len: int = 0) -> ForwardConfig:
+  """Picks the forward config: explicit, else tuned (for `seq_len` queries), else heuristic;
+  checked to fit (with the segment ids' buffers when `segments`, the bias ring when
+  `bias_bytes`). A tuned config that does not fit beside a bias gives way to the heuristic
+  (`_pick`)."""
   itemsize = np.dtype(dtype).itemsize
   if config is None:
-    config = _pick(TUNED_FORWARD.get((head_dim, bool(is_causal))), head_dim, itemsize,
-                   segments, bias_bytes)
+    tuned = _tuned(TUNED_FORWARD, TUNED_FORWARD_LONG, head_dim, is_causal, seq_len)
+    config = _pick(tuned, head_dim, itemsize, segments, bias_bytes)
   elif not isinstance(config, ForwardConfig):
     raise TypeError(f"config must be a ForwardConfig, got {type(config).__name__}")
   config.check_fits(head_dim, itemsize, segments, bias_bytes)

@@ -21,7 +21,7 @@ for d in dims:
     b, h = 16384 // t, 2048 // d
     q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype) for _ in range(3))
     for causal in (False, True):
-      base = config_lib.resolve_forward_config(d, dtype, causal, None)
+      base = config_lib.resolve_forward_config(d, dtype, causal, None, seq_len=t)
       fns = {o: jax.jit(lambda q, k, v, o=o: fah.dot_product_attention(
           q, k, v, is_causal=causal, config=dataclasses.replace(base, overlap_softmax=o)))
              for o in (False, True)}

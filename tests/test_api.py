@@ -129,9 +129,17 @@ def test_config_that_overflows_shared_memory_is_rejected_before_compiling():
 @pytest.mark.parametrize("head_dim", config_lib.SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("is_causal", (False, True))
 @pytest.mark.parametrize("dtype", config_lib.SUPPORTED_DTYPES)
-def test_every_tuned_config_fits(head_dim, is_causal, dtype):
-  cfg = config_lib.resolve_forward_config(head_dim, dtype, is_causal)
+@pytest.mark.parametrize("seq_len", (1024, 16384))
+def test_every_tuned_config_fits(head_dim, is_causal, dtype, seq_len):
+  cfg = config_lib.resolve_forward_config(head_dim, dtype, is_causal, seq_len=seq_len)
   assert cfg.fits(head_dim, jnp.dtype(dtype).itemsize)
+
+
+def test_long_sequences_take_their_tuned_forward_config():
+  (start, long_cfg), = [v for k, v in config_lib.TUNED_FORWARD_LONG.items() if k == (64, False)]
+  short = config_lib.resolve_forward_config(64, jnp.float16, False, seq_len=start - 1)
+  assert short == config_lib.TUNED_FORWARD[(64, False)] != long_cfg
+  assert config_lib.resolve_forward_config(64, jnp.float16, False, seq_len=start) == long_cfg
 
 
 @pytest.mark.parametrize("window", (-1, (3, -2), (1, 2, 3), "x"))

@@ -1,0 +1,106 @@
+"""A/B on a Hopper GPU: the forward under several `ForwardConfig`s (with --backward, fwd+bwd
+under several `BackwardConfig`s), and cuDNN, on the race grid's cells (B·T = 16k tokens,
+hidden 2048), interleaved over rounds, CUPTI device time:
+  PYTHONPATH=. python3 scripts/ab_configs.py --head-dim 64 --seq-lens 1024,4096 \
+      --causal both --configs tuned 128,64,2 128,64,2,o [--dtype float16] [--rounds 3]
+  PYTHONPATH=. python3 scripts/ab_configs.py --backward --configs tuned 64,64,3 128,64,2
+A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `,o` for the
+forward's overlap_softmax, or a fourth number for the backward's dq_num_stages. Each config's
+output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
+config's best-of-rounds median time, TFLOP/s and ratio to cuDNN."""
+import argparse
+import functools
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+import flash_attn_hopper as fah
+from flash_attn_hopper import config as config_lib
+
+TOKENS, HIDDEN = 16384, 2048
+#: Max abs difference from cuDNN's output a config may show (half-precision outputs of O(1));
+#: gradients, relative to their largest entry.
+CHECK_ATOL = 2e-2
+
+
+def parse_config(text: str, backward: bool):
+  if text == "tuned":
+    return None
+  parts = text.split(",")
+  bq, bkv, stages = (int(x) for x in parts[:3])
+  if backward:
+    return fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
+                              dq_num_stages=int(parts[3]) if parts[3:] else None)
+  return fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
+                           overlap_softmax=parts[3:] == ["o"])
+
+
+def program(attention, backward: bool):
+  """The timed function of (q, k, v, dout): the forward, or the gradients (fwd+bwd)."""
+  if backward:
+    return jax.jit(lambda q, k, v, dout: jax.vjp(attention, q, k, v)[1](dout))
+  return jax.jit(lambda q, k, v, dout: attention(q, k, v))
+
+
+def max_diff(a, b) -> float:
+  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def median_ms(fn, *args) -> float:
+  _, runs = profiler.measure(fn, aggregate=False, iterations=10)(*args)
+  return statistics.median(sum(t for _, t in run) for run in runs)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--seq-lens", default="1024,4096,16384")
+  p.add_argument("--causal", default="both", choices=("both", "yes", "no"))
+  p.add_argument("--dtype", default="float16")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--configs", nargs="+", default=["tuned"])
+  p.add_argument("--backward", action="store_true", help="time fwd+bwd under BackwardConfigs")
+  a = p.parse_args()
+  d, dtype = a.head_dim, jnp.dtype(a.dtype)
+  rng = np.random.default_rng(0)
+  for t in (int(x) for x in a.seq_lens.split(",")):
+    b, h = TOKENS // t, HIDDEN // d
+    q, k, v, dout = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype) for _ in range(4))
+    args = (q, k, v, dout)
+    for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]:
+      fns = {"cudnn": program(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                implementation="cudnn"), a.backward)}
+      for name in a.configs:
+        cfg = parse_config(name, a.backward)
+        if a.backward:
+          kw = {"backward_config": cfg}
+        else:
+          kw = {"config": config_lib.resolve_forward_config(d, dtype, causal, cfg, seq_len=t)}
+        fns[name] = program(functools.partial(fah.dot_product_attention, is_causal=causal, **kw),
+                            a.backward)
+      expected = fns["cudnn"](*args)
+      scale = max(float(jnp.max(jnp.abs(g))) for g in expected) if a.backward else 1.0
+      errors = {n: max_diff(f(*args), expected) / scale for n, f in fns.items()}
+      times = {n: [] for n in fns if errors[n] <= CHECK_ATOL}
+      for _ in range(a.rounds):
+        for n in times:
+          times[n].append(median_ms(fns[n], *args))
+      flops = 4 * b * h * t * t * d / (2 if causal else 1) * (3.5 if a.backward else 1)
+      base = min(times["cudnn"])
+      cells = []
+      for n in fns:
+        if n not in times:
+          cells.append(f"{n}: WRONG (max diff {errors[n]:.2e})")
+          continue
+        best = min(times[n])
+        cells.append(f"{n}: {best:.3f} ms {flops / best / 1e9:.0f} ({base / best:.3f}x)")
+      kind = "fwd+bwd" if a.backward else "fwd"
+      print(f"{kind} D {d} T {t} causal {causal}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+  main()
