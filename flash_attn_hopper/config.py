@@ -237,9 +237,10 @@ TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
     (64, True): ForwardConfig(block_q=64, block_kv=256, num_stages=2),
     (128, False): ForwardConfig(block_q=64, block_kv=128, num_stages=2,   # 515.9 TFLOP/s
                                 overlap_softmax=True),
-    (128, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2),   # 436.8
+    (128, True): ForwardConfig(block_q=64, block_kv=128, num_stages=2,    # 436.8
+                               overlap_softmax=True),
     (256, False): ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True),
-    (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2),
+    (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True),
 }
 # Long sequences that prefer another forward config: (head_dim, is_causal) → (from this many
 # queries on, config), measured as above.
@@ -253,7 +254,13 @@ TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[int, ForwardConfig]] = {
 #   D 256: 1k 0.238 → 0.224, 4k 0.832 → 0.772, 16k 3.217 → 2.983
 #   D 64 (block_kv 128 or 256) loses 11–28%. With element-masked blocks (causal) it lost
 #   25–44%, and still 1–6% when the masked blocks were awaited before masking (ptxas injects
-#   `warpgroup.arrive` around the masked step), so it is taken only without them.
+#   `warpgroup.arrive` around the masked step), so it is taken only without them, or under
+#   causal with the diagonal block first (`forward._diagonal_first`, FA3's order), where the
+#   mask runs with no PV in flight. Causal, ratio to cuDNN without → with it (2026-11-30,
+#   same script and setup, `scripts/ab_configs.py --causal yes --configs tuned 64,128,2,o`):
+#   D 128: 1k 1.005 → 1.043, 4k 1.050 → 1.072, 16k 1.045 → 1.059
+#   D 256: 1k 0.993 → 1.043, 4k 1.039 → 1.056, 16k 1.036 → 1.047
+#   D 64 (block_kv 256 or 128): 4k 0.993 → 0.730 / 0.913, 16k 1.027 → 0.800 / 0.908.
 
 
 # The backward kernels' blocks, keys (head_dim, is_causal). Tuned on an H200 with jax 0.11.2,

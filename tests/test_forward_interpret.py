@@ -103,9 +103,28 @@ def test_overlapped_softmax(rng):
   testing.check_attention(out, q, k, v, actual_lse=lse)
 
 
+# Under causal the overlapped loop walks each tile's blocks from the diagonal down
+# (`forward._diagonal_first`): 64-key blocks, where warpgroup 0 releases the diagonal block of
+# warpgroup 1; 128-key blocks, one diagonal block for both; and bottom-right alignment with
+# the diagonal shifted by two blocks, over several CTAs' tiles each.
+@pytest.mark.parametrize("block_kv, seq_q, seq_kv, alignment", [
+    (64, 448, 448, "top_left"), (128, 512, 512, "top_left"), (64, 320, 448, "bottom_right")])
+def test_overlapped_softmax_diagonal_first(rng, block_kv, seq_q, seq_kv, alignment):
+  w = workloads.Workload("overlap_causal", batch=2, seq_q=seq_q, seq_kv=seq_kv, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  cfg = fah.ForwardConfig(block_q=64, block_kv=block_kv, num_stages=2, overlap_softmax=True)
+  kw = dict(is_causal=True, causal_alignment=alignment)
+  out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=cfg,
+                                       return_residual=True, **kw)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
+
+
 @pytest.mark.parametrize("kw, overlaps", [
     (dict(seq_kv=448), True),
-    (dict(seq_kv=448, is_causal=True), False),
+    (dict(seq_kv=448, is_causal=True), True),  # The diagonal block first.
+    (dict(seq_kv=448, is_causal=True, causal_alignment="bottom_right"), False),  # 148 off
+    (dict(seq_kv=448, is_causal=True, bias=(False, False)), False),
     (dict(seq_kv=448, local_window_size=(300, 300)), False),
     (dict(seq_kv=448, kv_lens=True), False),
     (dict(seq_kv=450), False),
@@ -117,6 +136,7 @@ def test_overlap_is_taken_only_without_masked_blocks(kw, overlaps):
   from flash_attn_hopper.kernels import forward
   cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True)
   spec = api.mask_spec(300, kw["seq_kv"], is_causal=kw.pop("is_causal", False),
-                       local_window_size=kw.pop("local_window_size", None))
+                       local_window_size=kw.pop("local_window_size", None),
+                       causal_alignment=kw.pop("causal_alignment", "top_left"))
   opts = forward.ForwardOptions(scale=0.1, mask=spec, config=cfg, interpret=True, **kw)
   assert forward._overlaps(opts) is overlaps

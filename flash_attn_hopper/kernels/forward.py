@@ -15,12 +15,13 @@ each compute warpgroup runs:
                  O = α·O + P V                 P from registers; O re-enters the tensor cores
     epilogue   O / l and the LSE through shared memory and TMA
 
-With `ForwardConfig.overlap_softmax` (FA3's intra-warpgroup overlap; tuned on at D 128 and 256
-without causal, and taken only where no block needs an element mask: with a bias or a mask, by
-the tiles whose CTA sees every block in full), `_attend_overlapped` runs the loop shifted by
-one block: S of block j and PV of block j − 1 are issued together, and the softmax of S runs
-while PV is on the tensor cores. The warpgroups then take turns to issue (`Barriers.turn`)
-instead of meeting at the schedule barrier twice per block.
+With `ForwardConfig.overlap_softmax` (FA3's intra-warpgroup overlap; tuned on at D 128 and 256,
+and taken only where no block needs an element mask, or under causal with the diagonal block
+first, FA3's order; with a bias or a mask, by the tiles whose CTA sees every block in full),
+`_attend_overlapped` runs the loop shifted by one block: S of block j and PV of block j − 1
+are issued together, and the softmax of S runs while PV is on the tensor cores. The
+warpgroups then take turns to issue (`Barriers.turn`) instead of meeting at the schedule
+barrier twice per block.
 
 Rows past T and keys past S are zero-filled by TMA on load and clipped on store; keys past S
 are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work. With segment ids, each warpgroup's
@@ -244,13 +245,28 @@ def _overlaps(opts: ForwardOptions) -> bool:
   """Whether the kernel has FA3's intra-warpgroup overlap (`_attend_overlapped`): when the
   config asks for it and no block needs an element mask (no band, key lengths or segment
   ids, and S a whole number of blocks), so that every warpgroup visits every block of its
-  CTA unmasked. With masked blocks it measured slower than the plain loop on the H200 (see
-  `config.TUNED_FORWARD`), so those keep the plain loop: with a bias (a mask), a tile takes
-  the overlap when its CTA sees every block in full, else the plain loop (`_attend_tile`)."""
+  CTA unmasked; or, causal, when each warpgroup's one masked block can go first
+  (`_diagonal_first`). Masked blocks in the overlapped steps measured slower than the plain
+  loop on the H200 (see `config.TUNED_FORWARD`), so other bands keep the plain loop: with a
+  bias (a mask), a tile takes the overlap when its CTA sees every block in full, else the
+  plain loop (`_attend_tile`)."""
   cfg = opts.config
   return (cfg.overlap_softmax and not opts.segments and not opts.kv_lens
-          and not opts.mask.banded
+          and (not opts.mask.banded or _diagonal_first(opts))
           and (opts.seq_kv is None or opts.seq_kv % cfg.block_kv == 0))
+
+
+def _diagonal_first(opts: ForwardOptions) -> bool:
+  """Whether the overlapped kv_loop walks a tile's blocks from the last down, FA3's order
+  under causal: the diagonal block first, element-masked in `_overlap_first` where no PV is
+  in flight, then the blocks below it, which every row sees in full. That holds when every
+  warpgroup's rows have their diagonals in one block (block_q divides block_kv, and the
+  diagonal's offset is a whole number of blocks, ≥ 0 so that every row sees key 0), with no
+  window on the left and no bias."""
+  spec, cfg = opts.mask, opts.config
+  return (spec.is_causal and spec.upper == 0 and spec.left is None and not opts.bias
+          and spec.offset >= 0 and spec.offset % cfg.block_kv == 0
+          and cfg.block_kv % cfg.block_q == 0)
 
 
 def _attend_tile(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
@@ -288,21 +304,22 @@ def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
   return state, p16, alpha
 
 
-def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, **kw):
-  """KV block `step` with the PV of block step − 1 under its softmax (FA3's intra-warpgroup
-  overlap): S = QKᵀ and O += P·V are issued together, then the softmax of S runs while PV is
-  on the tensor cores. `carry` is (O, state, P, α), P and α of block step − 1."""
+def _overlapped_step(i, carry, *, refs, bars, ring0, block_of, wg, q_smem, p_staging, **kw):
+  """The tile's `i`-th streamed block with the PV of the one before under its softmax (FA3's
+  intra-warpgroup overlap): S = QKᵀ and O += P·V are issued together, then the softmax of S
+  runs while PV is on the tensor cores. `carry` is (O, state, P, α), P and α of block i − 1;
+  `ring0 + i` is the block's ring position, `block_of(i)` its index among the keys'."""
   acc, state, p16, alpha = carry
   cfg = kw["opts"].config
-  slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
-  prev = pipeline.slot_of(ring0 + step - 1, cfg.num_stages)
+  slot = pipeline.slot_of(ring0 + i, cfg.num_stages)
+  prev = pipeline.slot_of(ring0 + i - 1, cfg.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
   acc = softmax.rescale(acc, alpha)
   plgpu.barrier_wait(bars.v_ready.at[prev])
 
   def on_s(s):
     plgpu.barrier_arrive(bars.k_consumed.at[slot])
-    return _softmax_block(s, state, step, masked=False, **kw)
+    return _softmax_block(s, state, block_of(i), masked=False, **kw)
 
   shape = (cfg.block_q, cfg.block_kv)
   bars.take_turn(wg)
@@ -313,11 +330,12 @@ def _overlapped_step(step, carry, *, refs, bars, ring0, wg, q_smem, p_staging, *
   return acc, state, p16, alpha
 
 
-def _overlap_first(block, *, refs, bars, ring0, wg, q_smem, **kw):
-  """The first block of an overlapped kv_loop: S and its softmax, no PV yet (element-masked:
-  a no-op on these blocks, once per tile; kept as measured)."""
+def _overlap_first(i, *, refs, bars, ring0, block_of, wg, q_smem, **kw):
+  """The first block an overlapped kv_loop computes on (the tile's `i`-th streamed): S and
+  its softmax, no PV yet. Element-masked: under `_diagonal_first` this is the diagonal
+  block, elsewhere a no-op, once per tile (kept as measured)."""
   cfg = kw["opts"].config
-  slot = pipeline.slot_of(ring0 + block, cfg.num_stages)
+  slot = pipeline.slot_of(ring0 + i, cfg.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
 
   def qk(s_ref):
@@ -328,12 +346,12 @@ def _overlap_first(block, *, refs, bars, ring0, wg, q_smem, **kw):
 
   s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
-  return _softmax_block(s, softmax.init(cfg.block_q), block, masked=True, **kw)
+  return _softmax_block(s, softmax.init(cfg.block_q), block_of(i), masked=True, **kw)
 
 
-def _overlap_last(acc, p16, alpha, block, *, refs, bars, ring0, wg, opts, p_staging):
-  """The PV of an overlapped kv_loop's last block."""
-  slot = pipeline.slot_of(ring0 + block, opts.config.num_stages)
+def _overlap_last(acc, p16, alpha, i, *, refs, bars, ring0, opts, p_staging):
+  """The PV of an overlapped kv_loop's last block (the tile's `i`-th streamed)."""
+  slot = pipeline.slot_of(ring0 + i, opts.config.num_stages)
   plgpu.barrier_wait(bars.v_ready.at[slot])
   acc = accumulate.matmul_accumulate(softmax.rescale(acc, alpha), p16, refs.v_smem.at[slot],
                                      staging=p_staging)
@@ -341,28 +359,56 @@ def _overlap_last(acc, p16, alpha, block, *, refs, bars, ring0, wg, opts, p_stag
   return acc
 
 
+def _stream_order(blocks: masking.BlockRange, opts: ForwardOptions):
+  """The KV block a tile streams `i`-th: its blocks in order, or from the last down under
+  `_diagonal_first`. The producer and both compute warpgroups walk the same order."""
+  if _overlaps(opts) and _diagonal_first(opts):
+    return lambda i: blocks.end - 1 - i
+  return lambda i: blocks.first + i
+
+
+def _release_turn(i, _, *, refs, bars, ring0, wg, opts):
+  """`_diagonal_first`'s block streamed for the other warpgroup only (its diagonal block,
+  where that lies above this warpgroup's): free the slot and pass a turn, so that both
+  warpgroups take as many turns per tile."""
+  slot = pipeline.slot_of(ring0 + i, opts.config.num_stages)
+  for ready, consumed in ((bars.k_ready, bars.k_consumed), (bars.v_ready, bars.v_consumed)):
+    plgpu.barrier_wait(ready.at[slot])
+    plgpu.barrier_arrive(consumed.at[slot])
+  bars.take_turn(wg)
+  bars.pass_turn(wg)
+
+
 def _attend_overlapped(wg, tile: scheduler.Tile, ring: _Ring, refs: _Refs,
                        bars: pipeline.Barriers, dims, opts):
   """`_attend` with FA3's intra-warpgroup overlap, for tiles whose blocks are all unmasked
-  (`_overlaps`, `_attend_tile`): the first block's softmax, then per block its S beside the
-  previous block's PV, then the last block's PV. The warpgroups take turns to issue
-  (`Barriers.turn`): one turn per block and one per tile (the last PV). The tile streams
-  no bias tile (every block is fully visible), so the bias stream is not touched."""
+  (`_overlaps`, `_attend_tile`), or whose one masked block per warpgroup goes first
+  (`_diagonal_first`): the first block's softmax, then per block its S beside the previous
+  block's PV, then the last block's PV. The warpgroups take turns to issue
+  (`Barriers.turn`): one turn per streamed block and one per tile (the last PV). The tile
+  streams no bias tile (every block is fully visible), so the bias stream is not touched."""
   cfg = opts.config
   q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
-  if not opts.bias:  # With a bias, `_attend_tile` checked it at run time.
+  skip = 0  # Blocks streamed first for the other warpgroup only.
+  if _diagonal_first(opts):  # Every row sees key 0: the blocks above its diagonal differ.
+    skip = cta.end - own.end
+  elif not opts.bias:  # With a bias, `_attend_tile` checked it at run time.
     assert own == cta, "the overlapped kv_loop visits every block of its CTA"
-  ring0 = ring.kv - cta.first
   kw = dict(dims=dims, opts=opts, q0=q0, seq_kv=seq_kv)
-  at = dict(refs=refs, bars=bars, ring0=ring0, wg=wg)
+  at = dict(refs=refs, bars=bars, ring0=ring.kv, wg=wg)
+  block_of = _stream_order(cta, opts)
   p_staging = None if refs.p_staging is None else refs.p_staging.at[wg]
+  common.fori(0, skip, functools.partial(_release_turn, opts=opts, **at), None)
   acc = common.zeros_accumulator((cfg.block_q, dims.head_dim))
-  state, p16, alpha = _overlap_first(cta.first, q_smem=refs.q_smem.at[wg], **at, **kw)
-  step = functools.partial(_overlapped_step, q_smem=refs.q_smem.at[wg], p_staging=p_staging,
-                           **at, **kw)
-  acc, state, p16, alpha = common.fori(cta.first + 1, cta.end, step, (acc, state, p16, alpha))
+  state, p16, alpha = _overlap_first(skip, block_of=block_of, q_smem=refs.q_smem.at[wg],
+                                     **at, **kw)
+  step = functools.partial(_overlapped_step, block_of=block_of, q_smem=refs.q_smem.at[wg],
+                           p_staging=p_staging, **at, **kw)
+  num_blocks = cta.end - cta.first
+  acc, state, p16, alpha = common.fori(skip + 1, num_blocks, step, (acc, state, p16, alpha))
   bars.take_turn(wg)
-  acc = _overlap_last(acc, p16, alpha, cta.end - 1, opts=opts, p_staging=p_staging, **at)
+  acc = _overlap_last(acc, p16, alpha, num_blocks - 1, refs=refs, bars=bars, ring0=ring.kv,
+                      opts=opts, p_staging=p_staging)
   bars.pass_turn(wg)
   return acc, state
 
@@ -445,7 +491,8 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
     tile = sched.tile(cta, i)
     kv_head = tile.head // group  # GQA: no repeated K/V.
     blocks = _cta_kv_blocks(tile, refs, dims, opts)
-    rows = lambda step: pl.ds((blocks.first + step) * cfg.block_kv, cfg.block_kv)
+    block_of = _stream_order(blocks, opts)
+    rows = lambda step: pl.ds(block_of(step) * cfg.block_kv, cfg.block_kv)
     streams = bars.kv_streams(lambda step: refs.k.at[tile.batch, rows(step), kv_head],
                               lambda step: refs.v.at[tile.batch, rows(step), kv_head],
                               refs.k_smem, refs.v_smem,
