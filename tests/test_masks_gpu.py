@@ -11,11 +11,20 @@ import numpy as np
 import pytest
 
 import flash_attn_hopper as fah
+from flash_attn_hopper import api
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
 from tiers import tiered
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def kernels_even_where_the_op_falls_back(monkeypatch):
+  """These tests run the kernels, also for the float bias at D 256 that the op keeps off
+  them on a GPU until its race is found (`api._known_wrong_on_gpu`)."""
+  monkeypatch.setattr(api, "_known_wrong_on_gpu", lambda query, bias: None)
+
 
 def _check_forward_and_gradients(rng, q, k, v, **kw):
   """The jitted kernel's output and LSE (into poisoned memory), then its gradients for a random
@@ -123,12 +132,19 @@ def test_bias_and_mask_forward_and_gradients(rng, d, is_causal, with_bias):
                                bias=bias if with_bias else None)
 
 
-@pytest.mark.parametrize("d", [128, 256])
-def test_mask_and_bias_with_ragged_lengths(rng, d):
+# A float bias at D 256 with T > S gave wrong outputs in some runs on the H200 (tenth session:
+# 1 of 5 runs at 1000 × 777, 5 of 5 at 1024 × 832, none at 2048 × 2048; D 128 with the same
+# one-slot bias ring was right in all). The interpreter is right. Not yet found.
+_D256_BIAS_RACE = pytest.mark.xfail(strict=False, reason="D 256 float-bias race, bench/NOTES.md")
+
+
+@pytest.mark.parametrize("d, t, s", [(128, 1000, 777),
+                                     pytest.param(256, 1000, 777, marks=_D256_BIAS_RACE),
+                                     pytest.param(256, 1024, 832, marks=_D256_BIAS_RACE)])
+def test_mask_and_bias_with_ragged_lengths(rng, d, t, s):
   """T and S that are not multiples of any tile: the bias's and the mask's tile columns are
   padded for TMA, and dS (through staging tiles at D 128, from registers at D 256) is
-  written in whole tiles and sliced."""
-  t, s = 1000, 777
+  written in whole tiles and sliced. (1024 × 832: whole tiles, T > S.)"""
   w = workloads.Workload("ragged", batch=2, seq_q=t, seq_kv=s, num_q_heads=8, num_kv_heads=2,
                          head_dim=d)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
