@@ -71,17 +71,23 @@ def _inputs(w: workloads.Workload):
                for kk, s in zip(keys, (w.q_shape, w.kv_shape, w.kv_shape, w.q_shape)))
 
 
+def timed_program(attention, backward: bool = False):
+  """The timed function of (q, k, v, dout) for attention(q, k, v): the forward, or fwd+bwd
+  (the gradients)."""
+  if backward:
+    return jax.jit(lambda q, k, v, dout: jax.vjp(attention, q, k, v)[1](dout))
+  return jax.jit(lambda q, k, v, dout: attention(q, k, v))
+
+
 def _program(w, implementation: str, cfg=None, backward: bool = False):
-  """The timed function of (q, k, v, dout): the forward, or fwd+bwd (the gradients)."""
   kw = {} if cfg is None else {"backward_config" if backward else "config": cfg}
   attn = lambda q, k, v: fah.dot_product_attention(q, k, v, is_causal=w.is_causal,
                                                    implementation=implementation, **kw)
-  if backward:
-    return jax.jit(lambda q, k, v, dout: jax.vjp(attn, q, k, v)[1](dout))
-  return jax.jit(lambda q, k, v, dout: attn(q, k, v))
+  return timed_program(attn, backward)
 
 
-def _max_diff(a, b) -> float:
+def max_diff(a, b) -> float:
+  """The largest absolute difference between two pytrees of arrays, in float32."""
   return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
@@ -91,7 +97,7 @@ def _time_candidate(w, cfg, args, expected, repeats, backward=False):
   # Gradients are larger than outputs: the backward's check scales with them.
   atol = CHECK_ATOL * (max(float(jnp.max(jnp.abs(g))) for g in expected) if backward else 1)
   try:
-    err = _max_diff(fn(*args), expected)
+    err = max_diff(fn(*args), expected)
     if not err <= atol:
       return None, f"wrong output (max diff {err:.3g} from cuDNN)"
     ms = timing.median(timing.measure_ms("cupti", fn, args, repeats))

@@ -18,12 +18,10 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 import flash_attn_hopper as fah
+from bench.autotune import CHECK_ATOL, max_diff, timed_program
 from flash_attn_hopper import config as config_lib
 
 TOKENS, HIDDEN = 16384, 2048
-#: Max abs difference from cuDNN's output a config may show (half-precision outputs of O(1));
-#: gradients, relative to their largest entry.
-CHECK_ATOL = 2e-2
 
 
 def parse_config(text: str, backward: bool):
@@ -36,18 +34,6 @@ def parse_config(text: str, backward: bool):
                               dq_num_stages=int(parts[3]) if parts[3:] else None)
   return fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                            overlap_softmax=parts[3:] == ["o"])
-
-
-def program(attention, backward: bool):
-  """The timed function of (q, k, v, dout): the forward, or the gradients (fwd+bwd)."""
-  if backward:
-    return jax.jit(lambda q, k, v, dout: jax.vjp(attention, q, k, v)[1](dout))
-  return jax.jit(lambda q, k, v, dout: attention(q, k, v))
-
-
-def max_diff(a, b) -> float:
-  return max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def median_ms(fn, *args) -> float:
@@ -72,16 +58,17 @@ def main():
     q, k, v, dout = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype) for _ in range(4))
     args = (q, k, v, dout)
     for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]:
-      fns = {"cudnn": program(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                                implementation="cudnn"), a.backward)}
+      cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                implementation="cudnn")
+      fns = {"cudnn": timed_program(cudnn, a.backward)}
       for name in a.configs:
         cfg = parse_config(name, a.backward)
         if a.backward:
           kw = {"backward_config": cfg}
         else:
           kw = {"config": config_lib.resolve_forward_config(d, dtype, causal, cfg, seq_len=t)}
-        fns[name] = program(functools.partial(fah.dot_product_attention, is_causal=causal, **kw),
-                            a.backward)
+        ours = functools.partial(fah.dot_product_attention, is_causal=causal, **kw)
+        fns[name] = timed_program(ours, a.backward)
       expected = fns["cudnn"](*args)
       scale = max(float(jnp.max(jnp.abs(g))) for g in expected) if a.backward else 1.0
       errors = {n: max_diff(f(*args), expected) / scale for n, f in fns.items()}
