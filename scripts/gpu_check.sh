@@ -3,10 +3,11 @@
 # benchmark against cuDNN and JAX's attention_mgpu on the race grid (B·T = 16k tokens, hidden
 # 2048, T 1k/4k/16k, D 64/128/256, causal and not, fp16 and bf16).
 #   PYTHONPATH=. bash scripts/gpu_check.sh [all|tests|bench|backward|masks|ring] [OUT_DIR]
-# Each part fits one 10-minute device call on its own (the ~45 tests of the quick tier take
-# ~8 minutes as 8 parallel processes; FAH_GPU_FULL=1 adds the `full` tier's ~85, which needs
-# two or three calls with FAH_SKIP_PASSED); `all` runs both, each within its time budget
-# (FAH_TEST_SECONDS, FAH_BENCH_SECONDS). Logs and results go to OUT_DIR (default: $OUT, else bench/results).
+# `all` fits one 10-minute device call: the 61 tests of the quick tier took ~210 s as 8
+# parallel processes (XLA does not autotune in the tests), the forward grid ~265 s (2026-12-01);
+# each part stops at its time budget (FAH_TEST_SECONDS, FAH_BENCH_SECONDS). FAH_GPU_FULL=1
+# adds the `full` tier's ~85 tests, for a call of their own (FAH_SKIP_PASSED). Logs and
+# results go to OUT_DIR (default: $OUT, else bench/results).
 # The tests run one process each (scripts/run_tests_isolated.py): a hang is cut off and named.
 # FAH_TEST_FILTER narrows them (a pytest selection); FAH_SKIP_PASSED names an earlier log
 # whose passed tests are skipped.
@@ -44,7 +45,7 @@ if [[ $part != bench ]]; then
   # One process per test, several at a time (compiling is most of a test's time, on the CPU):
   # a test that hangs on the GPU is cut off and named, and the rest still run.
   python3 scripts/run_tests_isolated.py --jobs "${FAH_TEST_JOBS:-8}" \
-    --timeout "${FAH_TEST_TIMEOUT:-150}" --budget "${FAH_TEST_SECONDS:-500}" \
+    --timeout "${FAH_TEST_TIMEOUT:-200}" --budget "${FAH_TEST_SECONDS:-300}" \
     --log "$out/gpu_tests.log" ${FAH_SKIP_PASSED:+--skip-passed "$FAH_SKIP_PASSED"} \
     ${FAH_TEST_FILTER:-tests} | grep -v "^PASSED" | tail -n 40
   tests=${PIPESTATUS[0]}
@@ -53,7 +54,7 @@ fi
 if [[ $part != tests ]]; then
   python3 -m bench --passes fwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \
     --causal both --dtypes float16,bfloat16 --peers cudnn,mgpu --repeats 10 \
-    --time-budget "${FAH_BENCH_SECONDS:-280}" --no-progress --out "$out" --tag h200_forward \
+    --time-budget "${FAH_BENCH_SECONDS:-265}" --no-progress --out "$out" --tag h200_forward \
     2>&1 | tee "$out/bench.log" | tail -n 60
   bench=${PIPESTATUS[0]}
 fi

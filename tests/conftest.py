@@ -57,11 +57,12 @@ def on_hopper() -> bool:
   return hopper_status()[0]
 
 
-# The GPU tests come in two tiers. Each test compiles its own kernels (30-150 s on the GPU
-# machine's CPUs, several at a time), and a session has 30 device minutes, so the default tier
-# is the one run after every kernel change (about 45 tests, one 10-minute device call): every
-# head dim, dtype, causality, awkward length, head layout and mask feature at least once. The
-# `full` tier adds the rest of the cross product; FAH_GPU_FULL=1 (or --full) selects it too.
+# The GPU tests come in two tiers. Each test compiles its own kernels (10-110 s on the GPU
+# machine's CPUs, eight at a time), and a session has 30 device minutes, so the default tier
+# is the one run after every kernel change (61 tests, ~210 s, with the forward grid in one
+# 10-minute device call): every head dim, dtype, causality, awkward length, head layout and
+# mask feature at least once. The `full` tier adds the rest of the cross product;
+# FAH_GPU_FULL=1 (or --full) selects it too.
 FULL_ENV = "FAH_GPU_FULL"
 
 
