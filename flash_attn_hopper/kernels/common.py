@@ -197,6 +197,17 @@ def bias_values(tile, opts: AttentionOptions):
   return tile.astype(jnp.float32)
 
 
+def key_ids(ids_s, slot, load: bool):
+  """With segment ids (`ids_s` is their stream), observes the slot's key ids and loads them
+  when `load`; else None."""
+  if ids_s is None:
+    return None
+  plgpu.barrier_wait(ids_s.ready.at[slot])
+  ids = plgpu.load(ids_s.smem.at[slot], layout=COLUMNS) if load else None
+  plgpu.barrier_arrive(ids_s.consumed.at[slot])
+  return ids
+
+
 def bias_tile(bias_s, step, wg, num_stages: int, opts: AttentionOptions):
   """With a bias (`bias_s` is its sparse stream: only the blocks a CTA does not see in full
   have a tile, see `pipeline.Stream.position`), warpgroup `wg`'s rows of step `step`'s tile,

@@ -77,17 +77,6 @@ class _Tile(NamedTuple):
   row0: jax.Array
 
 
-def _key_ids(ids_s, slot, load: bool):
-  """With segment ids (`ids_s` is their stream), observes the slot's key ids and loads them
-  when `load`; else None."""
-  if ids_s is None:
-    return None
-  plgpu.barrier_wait(ids_s.ready.at[slot])
-  ids = plgpu.load(ids_s.smem.at[slot], layout=common.COLUMNS) if load else None
-  plgpu.barrier_arrive(ids_s.consumed.at[slot])
-  return ids
-
-
 def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
              bias_s, refs: _Refs, staging, q_smem, do_smem, dims, opts, masked):
   """KV block `step` (at ring position ring0 + step) against this warpgroup's queries."""
@@ -98,7 +87,7 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
   def probabilities(s):  # Under dP, when the two are issued together.
     bias = common.bias_tile(bias_s, ring0 + step, wg, cfg.dq_stages, opts) if masked else None
     s, cap_grad = opts.logits.transform(s, bias)
-    k_ids = _key_ids(ids_s, slot, load=masked)
+    k_ids = common.key_ids(ids_s, slot, load=masked)
     if masked:
       s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
                                      segments=None if k_ids is None else (q_ids, k_ids))

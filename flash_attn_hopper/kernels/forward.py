@@ -97,14 +97,26 @@ class _Ring(NamedTuple):
                  None if self.bias is None else self.bias + blocks.edge_count(blocks.end))
 
 
-def _key_ids(bars: pipeline.Barriers, refs: _Refs, slot, load: bool):
-  """With segment ids, observes the slot's key ids (and loads them when `load`); else None."""
+def _ids_stream(bars: pipeline.Barriers, refs: _Refs):
+  """The consumers' view of the keys' segment ids stream (`common.key_ids`), or None."""
   if refs.ids_ring is None:
     return None
-  plgpu.barrier_wait(bars.ids_ready.at[slot])
-  ids = plgpu.load(refs.ids_ring.at[slot], layout=common.COLUMNS) if load else None
-  plgpu.barrier_arrive(bars.ids_consumed.at[slot])
-  return ids
+  return pipeline.Stream(None, refs.ids_ring, bars.ids_ready, bars.ids_consumed)
+
+
+def _logits(q_smem, k_smem, cfg: config_lib.ForwardConfig, *, before_issue=None,
+            after_issue=None):
+  """S = Q Kᵀ of one block into a fresh wgmma accumulator, awaited; `before_issue` and
+  `after_issue` run around the issue (the warpgroups' schedule barrier or turn)."""
+  def qk(s_ref):
+    if before_issue is not None:
+      before_issue()
+    plgpu.wgmma(s_ref, q_smem, k_smem.T)
+    if after_issue is not None:
+      after_issue()
+    return s_ref[...]
+
+  return pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
 
 
 def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segments=None):
@@ -129,14 +141,10 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   cfg = opts.config
   slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
 
-  def qk(s_ref):
-    plgpu.wgmma(s_ref, q_smem, refs.k_smem.at[slot].T)
-    bars.sync_schedule()  # Hand the tensor cores to the other warpgroup.
-    return s_ref[...]
-
-  s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
+  # Hand the tensor cores to the other warpgroup once S is issued.
+  s = _logits(q_smem, refs.k_smem.at[slot], cfg, after_issue=bars.sync_schedule)
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
-  k_ids = _key_ids(bars, refs, slot, load=masked)
+  k_ids = common.key_ids(_ids_stream(bars, refs), slot, load=masked)
   # A bias tile comes with the masked (edge) blocks only; see `_attend`.
   bias = common.bias_tile(bias_s, step, wg, cfg.num_stages, opts) if masked else None
   state, p, alpha = _online_softmax(s, state, step, bias=bias,
@@ -177,7 +185,7 @@ def _release_step(step, _, *, refs, bars, opts, ring0, bias_s):
   """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
   slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
   # Observe the loads (every phase of a ready barrier is waited once by each consumer).
-  _key_ids(bars, refs, slot, load=False)
+  common.key_ids(_ids_stream(bars, refs), slot, load=False)
   if bias_s is not None:  # Sparse: only a block the CTA does not see in full has a tile.
     pipeline.release(bias_s, step, opts.config.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
@@ -338,13 +346,8 @@ def _overlap_first(i, *, refs, bars, ring0, block_of, wg, q_smem, **kw):
   slot = pipeline.slot_of(ring0 + i, cfg.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
 
-  def qk(s_ref):
-    bars.take_turn(wg)
-    plgpu.wgmma(s_ref, q_smem, refs.k_smem.at[slot].T)
-    bars.pass_turn(wg)
-    return s_ref[...]
-
-  s = pl.run_scoped(qk, plgpu.ACC((cfg.block_q, cfg.block_kv), jnp.float32))
+  s = _logits(q_smem, refs.k_smem.at[slot], cfg, before_issue=lambda: bars.take_turn(wg),
+              after_issue=lambda: bars.pass_turn(wg))
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   return _softmax_block(s, softmax.init(cfg.block_q), block_of(i), masked=True, **kw)
 
