@@ -67,28 +67,6 @@ def _check_shapes(query, key, value) -> None:
                     f"{key.dtype}, {value.dtype}")
 
 
-#: A float bias at this head dim gave wrong forward outputs on the H200 in some runs (a race
-#: in the kernels, not yet found: bench/NOTES.md, tenth session). Until it is fixed the op
-#: does not run the kernels there on a GPU; the interpreter, which is right, still does.
-KNOWN_WRONG_BIAS_HEAD_DIM = 256
-
-
-def _known_wrong_on_gpu(query, bias) -> str | None:
-  """Why the kernels must not run this call on a GPU (a case seen to give wrong results and
-  not yet fixed), or None."""
-  if bias is not None and query.shape[-1] == KNOWN_WRONG_BIAS_HEAD_DIM:
-    return (f"a float bias at head_dim={KNOWN_WRONG_BIAS_HEAD_DIM} gave wrong outputs on the "
-            "H200 in some runs (a race in the kernels, not yet fixed)")
-  return None
-
-
-@functools.cache
-def _warn_known_wrong_once(why: str) -> None:
-  warnings.warn(f"flash_attn_hopper: {why}; this call falls back to jax.nn's XLA "
-                "implementation. A boolean `mask` at this head dim runs on the kernels.",
-                RuntimeWarning, stacklevel=3)
-
-
 def _check_kernel_support(query) -> None:
   """Raises for what the kernel cannot do, naming the argument or value."""
   if query.dtype not in KERNEL_DTYPES:
@@ -395,15 +373,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   soft_cap = _soft_cap(logits_soft_cap)
 
   use_kernel = interpret or implementation == KERNEL or (implementation is None and on_hopper())
-  known_wrong = _known_wrong_on_gpu(query, bias) if use_kernel and not interpret else None
-  if known_wrong:
-    if implementation == KERNEL:
-      raise NotImplementedError(f"implementation='{KERNEL}': {known_wrong}. Use "
-                                "implementation=None (XLA for this call) or 'xla'.")
-    _warn_known_wrong_once(known_wrong)
-    use_kernel = False
   if not use_kernel:
-    if implementation is None and not known_wrong:
+    if implementation is None:
       _warn_fallback_once()
     if soft_cap is not None:
       return _soft_capped_without_kernel(

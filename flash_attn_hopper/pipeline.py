@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jaxlib.mlir.dialects import nvvm
 
 from flash_attn_hopper import hardware
 
@@ -218,6 +219,38 @@ def _copy_sparse(stream: Stream, step, num_stages: int):
   slot = slot_of(position, stages)
   pl.when(position >= stages)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
   plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
+
+
+#: The interpreter's settings (`common.launch`): it simulates one memory proxy, so it skips
+#: the one inline Mosaic GPU call, the fence of `order_loads_before_tma`.
+INTERPRET_PARAMS = plgpu.InterpretGPUParams(inline_mgpu="ignore")
+
+
+@plgpu.inline_mgpu()
+def _async_proxy_fence(_):
+  nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
+
+
+def order_loads_before_tma():
+  """Orders this thread's loads from shared memory (ld.shared, ldmatrix) before the TMA
+  copies that a later arrive or barrier lets a thread issue into the same memory.
+
+  Loads go through the generic proxy, TMA (and wgmma) through the async proxy, and PTX orders
+  the two only across `fence.proxy.async`; an mbarrier arrive alone does not. Without the
+  fence, on an H200 (jax 0.11.2), the D 256 forward with a bias, whose bias ring is one slot
+  deep, returned wrong rows in about half of the runs: a few rows of the warpgroup that read
+  a tile last, as if the next tile had landed under its loads; with the fence, none in 24
+  (`scripts/probe_bias_race.py`, bench/results/h200_d256_bias_race.log). Memory read by wgmma
+  alone needs no fence."""
+  _async_proxy_fence()
+
+
+def free_after_loads(*consumed):
+  """Frees ring slots that this warpgroup read with loads (a bias or mask tile, segment ids,
+  the LSE, δ): arrives on each `consumed` barrier after `order_loads_before_tma`."""
+  order_loads_before_tma()
+  for barrier in consumed:
+    plgpu.barrier_arrive(barrier)
 
 
 def release(stream: Stream, step, num_stages: int):

@@ -22,7 +22,6 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 import flash_attn_hopper as fah
-from flash_attn_hopper import api
 from flash_attn_hopper import autodiff
 
 
@@ -35,11 +34,6 @@ def _blockwise_backward():
     yield
   finally:
     autodiff.backward_in_kernels = saved
-
-
-# The kernels themselves, also for the float bias at D 256 that the op keeps on XLA on a GPU
-# until its race is found (`api._known_wrong_on_gpu`).
-api._known_wrong_on_gpu = lambda query, bias: None
 
 
 def _attention(impl: str, q, k, v, bias):

@@ -82,26 +82,6 @@ def test_explicit_kernel_off_hopper_says_what_to_do(rng):
     fah.dot_product_attention(*_qkv(rng), implementation="flash_attn_hopper")
 
 
-def test_bias_at_head_dim_256_keeps_off_the_kernels_on_a_gpu(rng, monkeypatch):
-  """A float bias at D 256 gave wrong outputs on the H200 in some runs (a race not yet found):
-  on a GPU the default takes XLA with one warning, and the kernel named explicitly raises
-  with the fix. A mask, or the interpreter, still runs the kernels."""
-  monkeypatch.setattr(api, "on_hopper", lambda: True)
-  q = jnp.asarray(rng.standard_normal((1, 64, 2, 256)), jnp.bfloat16)
-  bias = jnp.asarray(rng.standard_normal((1, 2, 64, 64)), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="head_dim=256.*implementation=None"):
-    fah.dot_product_attention(q, q, q, bias, implementation="flash_attn_hopper")
-  api._warn_known_wrong_once.cache_clear()
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    out = fah.dot_product_attention(q, q, q, bias, is_causal=True)
-  assert [w.category for w in caught] == [RuntimeWarning]
-  expected = jax.nn.dot_product_attention(q, q, q, bias, is_causal=True, implementation="xla")
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
-  assert api._known_wrong_on_gpu(q, None) is None
-  assert api._known_wrong_on_gpu(q[..., :128], bias) is None
-
-
 @pytest.mark.skipif(api.on_hopper(), reason="checks the off-Hopper behaviour")
 def test_default_falls_back_to_xla_with_one_warning(rng):
   q, k, v = _qkv(rng)

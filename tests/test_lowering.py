@@ -22,10 +22,8 @@ from flash_attn_hopper import config as config_lib
 
 @pytest.fixture
 def as_if_on_hopper(monkeypatch):
-  """The op's device check answers yes, so it takes the kernel path on the CPU, also where
-  it keeps a GPU off the kernels for now (`api._known_wrong_on_gpu`): they still lower."""
+  """The op's device check answers yes, so it takes the kernel path on the CPU."""
   monkeypatch.setattr(api, "on_hopper", lambda: True)
-  monkeypatch.setattr(api, "_known_wrong_on_gpu", lambda query, bias: None)
 
 
 def _lower(d: int, grad: bool, *, dtype=jnp.bfloat16, t=1024, s=1024, heads=(8, 2), **kw):

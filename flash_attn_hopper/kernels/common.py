@@ -203,8 +203,11 @@ def key_ids(ids_s, slot, load: bool):
   if ids_s is None:
     return None
   plgpu.barrier_wait(ids_s.ready.at[slot])
-  ids = plgpu.load(ids_s.smem.at[slot], layout=COLUMNS) if load else None
-  plgpu.barrier_arrive(ids_s.consumed.at[slot])
+  if not load:
+    plgpu.barrier_arrive(ids_s.consumed.at[slot])
+    return None
+  ids = plgpu.load(ids_s.smem.at[slot], layout=COLUMNS)
+  pipeline.free_after_loads(ids_s.consumed.at[slot])
   return ids
 
 
@@ -217,7 +220,7 @@ def bias_tile(bias_s, step, wg, num_stages: int, opts: AttentionOptions):
   slot = pipeline.slot_of(bias_s.position(step), pipeline.stages_of(bias_s, num_stages))
   plgpu.barrier_wait(bias_s.ready.at[slot])
   tile = bias_values(bias_s.smem.at[slot, wg][...], opts)
-  plgpu.barrier_arrive(bias_s.consumed.at[slot])
+  pipeline.free_after_loads(bias_s.consumed.at[slot])
   return tile
 
 
@@ -364,6 +367,7 @@ def launch(body, *args, out_type, grid, grid_names, name: str, interpret: bool):
       body, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=pipeline.NUM_WARPGROUPS, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name=name)
-  mode = plgpu.force_gpu_interpret_mode() if interpret else contextlib.nullcontext()
+  mode = (plgpu.force_gpu_interpret_mode(pipeline.INTERPRET_PARAMS) if interpret
+          else contextlib.nullcontext())
   with mode, layouts.explain_accumulator_errors():
     return kernel(*args)

@@ -163,14 +163,16 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
     if masked:
       bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
-    plgpu.barrier_arrive(bias_s.consumed.at[slot])
+      pipeline.free_after_loads(bias_s.consumed.at[slot])
+    else:
+      plgpu.barrier_arrive(bias_s.consumed.at[slot])
 
   def probabilities(st):  # Under dPᵀ, when the two are issued together.
     st, cap_grad = opts.logits.transform(st, bias_t)
     segments = None
     if opts.segments:
       segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
-      plgpu.barrier_arrive(ids_s.consumed.at[slot])
+      pipeline.free_after_loads(ids_s.consumed.at[slot])
     if opts.mask.banded or opts.kv_lens or opts.segments:  # Every step: queries may straddle
       _, q0 = step_rows(step, tile, dims, cfg)              # the band's or a segment's edges.
       key0 = tile.key0 + wg * cfg.block_kv
@@ -178,12 +180,12 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
       st = masking.apply_element_mask(st, q0, key0, seq_kv, opts.mask, key_axis=0,
                                       segments=segments)
     lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
-    plgpu.barrier_arrive(lse_s.consumed.at[slot])
+    pipeline.free_after_loads(lse_s.consumed.at[slot])
     return softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1), cap_grad
 
   def logits_grad(pt, dpt):
     delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
-    plgpu.barrier_arrive(delta_s.consumed.at[slot])
+    pipeline.free_after_loads(delta_s.consumed.at[slot])
     return softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
 
   shape = (cfg.block_kv, cfg.block_q)

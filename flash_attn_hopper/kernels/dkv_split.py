@@ -277,11 +277,16 @@ def _wait_ready(streams, step, num_stages: int):
     plgpu.barrier_wait(stream.ready.at[pipeline.stream_slot(stream, step, num_stages)])
 
 
-def _release(streams, step, num_stages: int):
-  """Arrives on the consumed barrier of ring step `step` of each stream (`None`s skipped)."""
-  for stream in streams:
-    if stream is not None:
-      plgpu.barrier_arrive(stream.consumed.at[pipeline.stream_slot(stream, step, num_stages)])
+def _release(streams, step, num_stages: int, loaded: bool = False):
+  """Arrives on the consumed barrier of ring step `step` of each stream (`None`s skipped);
+  `loaded`: after reading some of them with loads (`pipeline.free_after_loads`)."""
+  barriers = [stream.consumed.at[pipeline.stream_slot(stream, step, num_stages)]
+              for stream in streams if stream is not None]
+  if loaded and barriers:
+    pipeline.free_after_loads(*barriers)
+  else:
+    for barrier in barriers:
+      plgpu.barrier_arrive(barrier)
 
 
 def _split_streams(streams, opts):
@@ -324,7 +329,7 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
   if masked and mask_s is not None:
     mask_slot = pipeline.stream_slot(mask_s, step, stages)
     mask_t = common.bias_values(refs.mask_ring.at[mask_slot, 0][...], opts)
-  _release((mask_s,), step, stages)
+  _release((mask_s,), step, stages, loaded=mask_t is not None)
   st, cap_grad = opts.logits.transform(st, mask_t)
   if masked:
     segments = None
@@ -334,7 +339,7 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
     st = masking.apply_element_mask(st, q0, tile.key0, tile.seq_kv if opts.kv_lens else None,
                                     opts.mask, key_axis=0, segments=segments)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
-  _release((ids_s, lse_s, delta_s), step, stages)  # δ is warpgroup 1's.
+  _release((ids_s, lse_s, delta_s), step, stages, loaded=True)  # δ is warpgroup 1's.
 
   pt = softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1)
   # With a soft-cap, dSᵀ = Pᵀ ∘ cap' ∘ (dPᵀ − δ): warpgroup 1 gets Pᵀ ∘ cap'.
@@ -357,7 +362,7 @@ def _dk_step(step, dk, *, refs: _Refs, streams, pbar, dims, opts):
   dpt = common.matmul(refs.v_smem, refs.do_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
   _release((do_s,), step, stages)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
-  _release((delta_s,), step, stages)
+  _release((delta_s,), step, stages, loaded=True)
   # After dPᵀ: freeing the Pᵀ slot also tells warpgroup 0 that this step's V read is done.
   dst = softmax.logits_grad(_take_p(step, refs, pbar), dpt, delta, query_axis=1)
   staging = None if refs.staging is None else refs.staging.at[_Role.DK]

@@ -432,7 +432,9 @@ def _wait_q(wg, refs: _Refs, bars: pipeline.Barriers):
   if refs.q_ids_smem is None:
     return None
   plgpu.barrier_wait(bars.q_ids_ready.at[wg])
-  return plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS)
+  ids = plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS)
+  pipeline.order_loads_before_tma()  # The next tile's ids land here by TMA.
+  return ids
 
 
 def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, opts):
