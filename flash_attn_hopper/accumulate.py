@@ -9,7 +9,10 @@ the real kernels on a CPU, lacks three things this needs: `pl.run_state(f)(plgpu
 a store into an ACC ref, and a wgmma whose left operand is in registers. With
 `interpret=True` the left operand is staged through shared memory, the product goes into a
 fresh zero accumulator (`pl.run_scoped(f, plgpu.ACC(...))`) and is added in registers: the
-same sum. This module is the only place that branches on the interpreter.
+same sum. This module is the only place that branches on the interpreter. (The interpreter
+also skips one instruction, the fence between memory proxies of
+`pipeline.order_loads_before_tma`, through `pipeline.INTERPRET_PARAMS`: it simulates a single
+proxy, and the kernels' code stays the same.)
 """
 
 from __future__ import annotations
