@@ -100,3 +100,37 @@ def test_bias_gradient_lowers_for_hopper(d):
   split = d >= config_lib.SPLIT_DKV_HEAD_DIM
   for name in ("fwd", "dq", "dkv_split" if split else "dkv"):
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+
+
+def _kernel_modules(monkeypatch, d: int, **kw) -> dict[str, str]:
+  """The Mosaic GPU modules of the op's gradient program, as MLIR text by kernel name (taken
+  where Mosaic GPU serializes them)."""
+  import jax.experimental.mosaic.gpu.core as mosaic_core  # pylint: disable=g-import-not-at-top
+  modules = {}
+  serialize = mosaic_core._run_serde_pass  # pylint: disable=protected-access
+
+  def capture(module, **kwargs):
+    text = module.operation.get_asm(enable_debug_info=False)
+    modules[text.split("module @flash_attn_hopper_", 1)[1].split(" ", 1)[0]] = text
+    return serialize(module, **kwargs)
+
+  monkeypatch.setattr(mosaic_core, "_run_serde_pass", capture)
+  _lower(d, True, **kw)
+  return modules
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("feature", ["bias", "segments"])
+def test_ring_slots_read_with_loads_are_fenced(monkeypatch, feature, d):
+  """A ring slot read with ordinary loads goes back to TMA only after a fence between the two
+  memory proxies (`pipeline.order_loads_before_tma`; without it the D 256 bias forward raced
+  on the H200). The bias's tiles and the segment ids add such slots to every kernel, so each
+  kernel has more proxy fences with the feature than without."""
+  fences = lambda modules: {name: text.count("nvvm.fence.proxy <async.shared>")
+                            for name, text in modules.items()}
+  without = fences(_kernel_modules(monkeypatch, d))
+  with_feature = fences(_kernel_modules(monkeypatch, d, **FEATURES[feature]))
+  assert set(with_feature) == set(without) and len(without) == 3, (without, with_feature)
+  for name, count in with_feature.items():
+    assert count > without[name], f"{name}: {count} proxy fences, {without[name]} without {feature}"
