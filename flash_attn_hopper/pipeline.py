@@ -8,6 +8,10 @@ A CTA runs three warpgroups (FA3's shape)::
     producer:  wait consumed[slot] ─► TMA K,V ─► arrives ready[slot] (transaction count)
     compute:   wait ready[slot]    ─► wgmma  ─► arrive consumed[slot] (one per compute warpgroup)
 
+A slot that the compute warpgroups read with ordinary loads instead (a bias tile, segment ids,
+the LSE) is freed through `free_after_loads`: loads and TMA are different memory proxies, and
+the fence between them is what keeps the next copy from landing under the loads.
+
 The same ring carries other tensors in the backward kernels: a `Stream` is one of them.
 
 The register file is rebalanced with `setmaxnreg`: the producer keeps few registers and the
