@@ -225,13 +225,15 @@ def _copy_sparse(stream: Stream, step, num_stages: int):
   plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot], stream.ready.at[slot])
 
 
-#: The interpreter's settings (`common.launch`): it simulates one memory proxy, so it skips
-#: the one inline Mosaic GPU call, the fence of `order_loads_before_tma`.
-INTERPRET_PARAMS = plgpu.InterpretGPUParams(inline_mgpu="ignore")
+#: The interpreter's settings (`common.launch`). It cannot run inline Mosaic GPU code in
+#: general; this mode models a few known functions by name, among them the proxy fence below
+#: (as the fence of `plgpu.commit_smem`), so that its race detector sees the fence too.
+INTERPRET_PARAMS = plgpu.InterpretGPUParams(inline_mgpu="_hack_model_inline_mgpu_tokamax")
 
 
 @plgpu.inline_mgpu()
-def _async_proxy_fence(_):
+def fence_async_shared_cta(_):
+  """`fence.proxy.async.shared::cta` (the interpreter knows it by this name)."""
   nvvm.fence_proxy(nvvm.ProxyKind.async_shared, space=nvvm.SharedSpace.shared_cta)
 
 
@@ -246,7 +248,7 @@ def order_loads_before_tma():
   a tile last, as if the next tile had landed under its loads; with the fence, none in 24
   (`scripts/probe_bias_race.py`, bench/results/h200_d256_bias_race.log). Memory read by wgmma
   alone needs no fence."""
-  _async_proxy_fence()
+  fence_async_shared_cta()
 
 
 def free_after_loads(*consumed):
