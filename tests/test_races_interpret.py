@@ -77,6 +77,9 @@ CASES = {
     "bias_grad": (256, 192, 64, True, lambda rng: dict(is_causal=True, bias=_bias(rng, 256, 192))),
     "segments_grad": (256, 256, 64, True, lambda rng: dict(is_causal=True,
                                                            segment_ids=_halves(256))),
+    # D 256's own kernels: the forward's and the split dK/dV kernel's one-slot bias rings.
+    "bias_grad_d256": (128, 128, 256, True, lambda rng: dict(is_causal=True,
+                                                             bias=_bias(rng, 128, 128))),
 }
 
 
