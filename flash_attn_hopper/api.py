@@ -157,7 +157,7 @@ def _as_bias(bias, mask, shape, dtype):
 
 def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
                       segment_ids=None, soft_cap=None, backward_config=None, bias=None,
-                      bias_grad=False):
+                      bias_grad=False, deterministic=True):
   """Our kernel on 4D inputs; returns out (B, T, N, H) and the LSE (B, T, N) in float32.
 
   Queries that see no key get output 0 and LSE −inf here (`dot_product_attention` then
@@ -185,7 +185,8 @@ def _kernel_attention(q, k, v, *, scale, spec, config, interpret, kv_lens=None,
   if bias is not None:  # Padded keys and rows are masked (and then dropped).
     bias = jnp.pad(bias, ((0, 0), (0, 0), (0, q.shape[1] - t), (0, k.shape[1] - s)),
                    constant_values=0 if is_mask else -jnp.inf)
-  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, bias, opts, backward_config)
+  out, lse = autodiff.attention(q, k, v, kv_lens, segment_ids, bias, opts, backward_config,
+                                bool(deterministic))
   return out[:, :t], jnp.transpose(lse[:, :, :t], (0, 2, 1))
 
 
@@ -296,7 +297,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
                           causal_alignment="top_left", segment_ids=None, logits_soft_cap=None,
-                          interpret=False, config=None, backward_config=None):
+                          interpret=False, config=None, backward_config=None,
+                          deterministic=True):
   """Scaled dot-product attention with `jax.nn.dot_product_attention`'s semantics.
 
   Args:
@@ -344,6 +346,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     config: a `ForwardConfig` overriding the tuned block sizes.
     backward_config: a `BackwardConfig` overriding the backward kernels' block sizes (D 64
       and 128; checked when the gradient is taken).
+    deterministic: whether gradients must come out bitwise the same in every run (the
+      default). With False, the backward may take FA3's five matmuls where they measured
+      faster (`config.TUNED_BACKWARD_FUSED`: D 128 non-causal and D 64 causal, from 16k
+      queries): dQ is added up inside the dK/dV kernel in float32, in whatever order the
+      tiles finish, so its last bits may vary from run to run, as with cuDNN's and
+      FlashAttention's default backward. `backward_config=BackwardConfig(fused_dq=True)`
+      takes it at any length (D 64 and 128). A differentiated bias keeps the deterministic
+      backward (its gradient is the dQ kernel's dS).
 
   Kernel dtypes are float16 and bfloat16; head dims 64, 128 and 256; any T ≥ 1 and S ≥ 1.
 
@@ -408,7 +418,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   combined = _as_bias(bias, mask, (batch, query.shape[2], t, s), query.dtype)
   run = functools.partial(_kernel_attention, scale=scale, spec=spec, config=config,
                           interpret=interpret, soft_cap=soft_cap,
-                          backward_config=backward_config, bias_grad=bias is not None)
+                          backward_config=backward_config, bias_grad=bias is not None,
+                          deterministic=deterministic)
   out, lse = _over_shards(run, query, key, value, kv_lens, segments, combined)
   # Which queries saw no key: known statically for a band, from the LSE for data masks.
   empty = (jnp.isneginf(lse) if segments is not None or combined is not None else

@@ -37,12 +37,15 @@ def backward_in_kernels(head_dim: int) -> bool:
   return head_dim in KERNEL_BACKWARD_HEAD_DIMS
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def attention(q, k, v, kv_lens, segment_ids, bias, opts: forward_kernel.ForwardOptions,
-              bwd_config: config_lib.BackwardConfig | None = None):
+              bwd_config: config_lib.BackwardConfig | None = None,
+              deterministic: bool = True):
   """Kernel attention on canonical inputs; returns (out, lse) as `attention_forward` does.
 
-  `bwd_config` sets the backward kernels' blocks (None: the tuned ones).
+  `bwd_config` sets the backward kernels' blocks (None: the tuned ones, which without
+  `deterministic` are the five-matmul backward's, whose dQ may differ in its last bits from
+  run to run).
 
   `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`;
   `segment_ids` is None, or `masking.SegmentIds` padded like q and k when `opts.segments`.
@@ -59,7 +62,7 @@ class _Differentiated:
   bias: bool
 
 
-def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config):
+def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config, deterministic):
   # With symbolic zeros each input leaf comes as a CustomVJPPrimal, whose `perturbed` says
   # whether it is differentiated.
   wanted = _Differentiated(bias=bias is not None and bias.perturbed)
@@ -67,11 +70,11 @@ def _attention_fwd(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config):
       (q, k, v, kv_lens, segment_ids, bias))
   # Through `attention` itself, so that differentiating the residuals (a second derivative)
   # meets this custom rule, and then `_backward`'s clear error, not the kernel's lowering.
-  out, lse = attention(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config)
+  out, lse = attention(q, k, v, kv_lens, segment_ids, bias, opts, bwd_config, deterministic)
   return (out, lse), (q, k, v, (kv_lens, segment_ids, bias), out, lse, wanted)
 
 
-def _attention_bwd(opts, bwd_config, residuals, cotangents):
+def _attention_bwd(opts, bwd_config, deterministic, residuals, cotangents):
   q, k, v, masks, out, lse, wanted = residuals
   opts = dataclasses.replace(opts, bias_grad=opts.bias_grad and wanted.bias)
   dout, _ = cotangents  # The LSE is returned with stop-gradient semantics (as in jax.nn).
@@ -84,7 +87,8 @@ def _attention_bwd(opts, bwd_config, residuals, cotangents):
                                       config=config_lib.resolve_backward_config(
                                           q.shape[-1], q.dtype, opts.is_causal, bwd_config,
                                           opts.segments, opts.bias_bytes(q.dtype),
-                                          seq_len=q.shape[1], bias_grad=opts.bias_grad),
+                                          seq_len=q.shape[1], bias_grad=opts.bias_grad,
+                                          deterministic=deterministic),
                                       interpret=opts.interpret, seq_kv=opts.seq_kv,
                                       kv_lens=opts.kv_lens, segments=opts.segments,
                                       soft_cap=opts.soft_cap, bias=opts.bias,

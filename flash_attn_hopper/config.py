@@ -31,6 +31,17 @@ SPLIT_DKV_P_SLOT_BYTES = 2 * 2
 #: kernel to 230,400 bytes), so each thread stores its dS fragment from registers into an
 #: array padded to whole tiles.
 DS_STAGING_MAX_HEAD_DIM = 128
+#: Head dims of `BackwardConfig.fused_dq` (the two-warpgroup dK/dV kernel's; D 256 runs the
+#: split kernel, which has no room for dQ's buffers).
+FUSED_DQ_HEAD_DIMS = (64, 128)
+#: `fused_dq` double-buffers the dSᵀ tiles that both warpgroups read, so that one
+#: warpgroup's next dSᵀ never overwrites a tile the other is still multiplying.
+FUSED_DQ_DS_BUFFERS = 2
+#: Columns of dQ one warpgroup computes in a `fused_dq` step: K's tile is the B operand, and
+#: wgmma cannot slice a B operand inside one 128-byte swizzle row (64 16-bit entries). At
+#: D 128 each warpgroup takes one half of the columns every step; at D 64 the warpgroups
+#: take turns, one whole step each.
+FUSED_DQ_COLUMNS = 64
 
 
 def split_bias_stages(num_stages: int, full_bytes: int) -> int:
@@ -155,10 +166,17 @@ class BackwardConfig:
   #: Stages of the dQ kernel's K/V ring when it must differ from `num_stages` (None: the
   #: same). At D 256 one stage is all that fits beside two warpgroups' Q and dO tiles.
   dq_num_stages: int | None = None
+  #: FA3's five-matmul backward: no dQ kernel; the dK/dV kernel also computes dQ and adds it
+  #: into a float32 accumulator with TMA reduce-adds in no fixed order, so dQ's bits may
+  #: change from run to run (`kernels/fused_dq.py`). The op takes it with
+  #: `deterministic=False`. D 64 and 128, and not beside a bias's gradient (dS).
+  fused_dq: bool = False
 
   def __post_init__(self):
     _validate_tiles(self)
     _validate_optional_stages(self, "dq_num_stages")
+    if not isinstance(self.fused_dq, (bool, np.bool_)):
+      raise TypeError(f"BackwardConfig.fused_dq must be a bool, got {self.fused_dq!r}")
 
   @property
   def dq_stages(self) -> int:
@@ -174,7 +192,11 @@ class BackwardConfig:
     per compute warpgroup).
     dK/dV: K and V tiles per compute warpgroup, and the ring of Q, dO, LSE and δ.
     (With `segments`, each adds its int32 ids: one tile's and a ring's; with a bias, a ring
-    of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)"""
+    of (2·block × block) bias tiles of `bias_bytes` per element, 1 for a mask.)
+    With `fused_dq` there is no dQ kernel: the dK/dV kernel's, plus its dQ buffers."""
+    if self.fused_dq:
+      return (self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes)
+              + self.fused_dq_smem_bytes(itemsize))
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
     q_rows = wgs * self.block_q
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
@@ -205,9 +227,25 @@ class BackwardConfig:
       stages = split_bias_stages(stages, rest + stages * bias_tile)
     return rest + stages * bias_tile
 
+  def fused_dq_smem_bytes(self, itemsize: int) -> int:
+    """The extra shared memory of `fused_dq` (`kernels/fused_dq.py`, whose `smem_types` this
+    mirrors): two buffers of both warpgroups' dSᵀ tiles (block_kv × block_q, input dtype),
+    and a float32 (block_q × FUSED_DQ_COLUMNS) staging tile of dQ per warpgroup."""
+    wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+    ds = FUSED_DQ_DS_BUFFERS * wgs * self.block_kv * self.block_q * itemsize
+    return ds + wgs * self.block_q * FUSED_DQ_COLUMNS * 4
+
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0, bias_grad: bool = False) -> None:
-    """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory."""
+    """Raises ValueError, naming the fields to shrink, when the tiles overflow shared memory
+    (or `fused_dq` meets what it does not support)."""
+    if self.fused_dq and head_dim not in FUSED_DQ_HEAD_DIMS:
+      raise ValueError(f"BackwardConfig.fused_dq supports head_dim in {FUSED_DQ_HEAD_DIMS}, "
+                       f"got head_dim={head_dim}; set fused_dq=False (or deterministic=True)")
+    if self.fused_dq and bias_grad:
+      raise ValueError("BackwardConfig.fused_dq cannot give a bias its gradient (that needs "
+                       "the dQ kernel's dS); set fused_dq=False (or deterministic=True), or "
+                       "stop the bias's gradient")
     if head_dim >= SPLIT_DKV_HEAD_DIM and self.block_kv != hardware.WGMMA_ROWS:
       raise ValueError(
           f"BackwardConfig.block_kv must be {hardware.WGMMA_ROWS} at head_dim={head_dim} (the "
@@ -299,14 +337,50 @@ def _tuned(table: dict, long_table: dict, head_dim: int, is_causal: bool, seq_le
   return table.get(key)
 
 
+# Where the five-matmul backward (`BackwardConfig.fused_dq`) beat the deterministic kernels:
+# (head_dim, is_causal) → (from this many queries on, config); `deterministic=False` takes it
+# there and the deterministic kernels elsewhere. Interleaved A/B on an H200, jax 0.11.2,
+# 2026-12-01, bf16 fwd+bwd, B·T = 16k tokens, hidden 2048, CUPTI, best of 2 rounds, by
+#   python3 scripts/ab_configs.py --backward --head-dim D --causal both --configs tuned fused
+# (bench/results/h200_fused_dq_ab.log), ms deterministic → fused:
+#   D 128 non-causal: 1k 1.110 → 1.358, 4k 3.718 → 3.947, 16k 15.543 → 15.104 (kept)
+#   D 128 causal:     1k 0.730 → 0.980, 4k 2.043 → 2.485, 16k 7.873 → 7.925
+#   D 64 non-causal:  1k 1.267 → 1.506, 4k 4.426 → 5.086, 16k 18.144 → 19.454
+#   D 64 causal:      1k 0.959 → 1.014, 4k 2.635 → 2.689, 16k 9.991 → 8.941 (kept)
+# 8k is not measured: the crossovers lie between 4k and 16k.
+TUNED_BACKWARD_FUSED: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
+    (128, False): (16384, BackwardConfig(fused_dq=True)),
+    (64, True): (16384, BackwardConfig(fused_dq=True)),
+}
+
+
+def _fused_config(head_dim: int, itemsize: int, is_causal: bool, segments: bool,
+                  bias_bytes: int, seq_len: int) -> BackwardConfig | None:
+  """The five-matmul config where it measured faster (`TUNED_BACKWARD_FUSED`) and fits;
+  else None."""
+  entry = TUNED_BACKWARD_FUSED.get((head_dim, bool(is_causal)))
+  if entry is None or seq_len < entry[0]:
+    return None
+  try:
+    entry[1].check_fits(head_dim, itemsize, segments, bias_bytes)
+  except ValueError:
+    return None
+  return entry[1]
+
+
 def resolve_backward_config(head_dim: int, dtype, is_causal: bool,
                             config: BackwardConfig | None = None,
                             segments: bool = False, bias_bytes: int = 0,
-                            seq_len: int = 0, bias_grad: bool = False) -> BackwardConfig:
+                            seq_len: int = 0, bias_grad: bool = False,
+                            deterministic: bool = True) -> BackwardConfig:
   """Picks the backward config: explicit, else tuned (for `seq_len` queries), else the
   default; checked to fit (`bias_bytes` per element of a bias ring: 0 none, 1 a mask;
-  `bias_grad`: with dS's staging tiles)."""
+  `bias_grad`: with dS's staging tiles). Without `deterministic` (and without `bias_grad`)
+  the tuned pick is the five-matmul backward where it measured faster
+  (`TUNED_BACKWARD_FUSED`)."""
   itemsize = np.dtype(dtype).itemsize
+  if config is None and not deterministic and not bias_grad:
+    config = _fused_config(head_dim, itemsize, is_causal, segments, bias_bytes, seq_len)
   if config is None:
     config = _tuned(TUNED_BACKWARD, TUNED_BACKWARD_LONG, head_dim, is_causal, seq_len)
     config = BackwardConfig() if config is None else config

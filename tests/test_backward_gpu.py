@@ -70,3 +70,36 @@ def test_backward_is_deterministic(rng, d):
   first, second = grads(q, k, v, dout), grads(q, k, v, dout)
   for a, b in zip(first, second):
     assert bool(jnp.all(a == b))
+
+
+# The five-matmul backward (`BackwardConfig.fused_dq`): every pair at D 64 and 128, its dQ
+# from TMA reduce-adds, which only the GPU runs.
+FUSED = fah.BackwardConfig(fused_dq=True)
+FUSED_GRID = tiered([(t, s, dt, c, d) for (t, s), d in itertools.product(SEQ_PAIRS, (64, 128))
+                     for dt, c in COMBOS],
+                    lambda i, case: COMBOS.index(case[2:4]) == (i // len(COMBOS)) % len(COMBOS))
+
+
+@pytest.mark.parametrize("t, s, dtype, is_causal, d", FUSED_GRID)
+def test_fused_dq_backward(rng, t, s, dtype, is_causal, d):
+  _check(rng, t, s, "gqa", d, dtype, is_causal, backward_config=FUSED)
+
+
+@pytest.mark.parametrize("kw", tiered(
+    [(dict(local_window_size=(300, 0), key_value_seq_lengths=(700,)),),
+     (dict(segment_ids="random"),)], lambda i, case: True), ids=str)
+def test_fused_dq_backward_masks(rng, kw):
+  kw = dict(kw)
+  if "key_value_seq_lengths" in kw:
+    kw["key_value_seq_lengths"] = jnp.asarray(kw["key_value_seq_lengths"], jnp.int32)
+  if kw.get("segment_ids") == "random":
+    kw["segment_ids"] = jnp.asarray(testing.random_segment_ids(rng, 1, 1024, 5))
+  n, kv = HEADS["gqa"]
+  w = workloads.Workload("bwd", batch=1, seq_q=1024, seq_kv=1024, num_q_heads=n,
+                         num_kv_heads=kv, head_dim=128, is_causal=True, dtype="bfloat16")
+  q, k, v = testing.random_qkv(rng, w)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  f = lambda q, k, v: fah.dot_product_attention(
+      q, k, v, is_causal=True, implementation="flash_attn_hopper", backward_config=FUSED, **kw)
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout))(q, k, v, dout)
+  testing.check_gradients(grads, q, k, v, dout, is_causal=True, **kw)

@@ -134,3 +134,15 @@ def test_ring_slots_read_with_loads_are_fenced(monkeypatch, feature, d):
   assert set(with_feature) == set(without) and len(without) == 3, (without, with_feature)
   for name, count in with_feature.items():
     assert count > without[name], f"{name}: {count} proxy fences, {without[name]} without {feature}"
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("feature", ["dense", "window", "segments", "mask"])
+def test_five_matmul_backward_lowers_for_hopper(feature, d):
+  """`BackwardConfig.fused_dq`: no dQ kernel; the dK/dV kernel adds dQ with TMA reduce-adds."""
+  text = _lower(d, True, backward_config=config_lib.BackwardConfig(fused_dq=True),
+                **dict(FEATURES[feature]))
+  assert "flash_attn_hopper_dq_mosaic_gpu" not in text
+  for name in ("fwd", "dkv"):
+    assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"

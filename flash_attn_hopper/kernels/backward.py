@@ -1,4 +1,5 @@
-"""The backward pass: a preprocess for δ, then the dQ and the dK/dV kernels."""
+"""The backward pass: a preprocess for δ, then the dQ and the dK/dV kernels (with
+`BackwardConfig.fused_dq`, the dK/dV kernel alone, which also adds up dQ)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from flash_attn_hopper.kernels import common
 from flash_attn_hopper.kernels import dkv as dkv_kernel
 from flash_attn_hopper.kernels import dkv_split
 from flash_attn_hopper.kernels import dq as dq_kernel
+from flash_attn_hopper.kernels import fused_dq
 
 
 def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv_lens=None,
@@ -29,7 +31,7 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   Returns:
     (dq, dk, dv, dbias), the first three shaped and typed like (q, k, v). dK and dV are summed
     over each GQA group inside the kernel, in a fixed order: two runs give bitwise-equal
-    results. dbias is None unless `opts.bias_grad`: then the dQ kernel's dS, summed (in
+    results. So is dQ, except with `opts.config.fused_dq` (its adds come in no fixed order). dbias is None unless `opts.bias_grad`: then the dQ kernel's dS, summed (in
     float32) over the dimensions the bias broadcasts, shaped and typed like `bias`.
   """
   t, t_tiles = q.shape[1], lse.shape[-1]
@@ -37,6 +39,12 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   delta = jnp.einsum("btnd,btnd->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
   delta = jnp.pad(delta, ((0, 0), (0, 0), (0, t_tiles - t)))
   lse_log2 = lse * softmax.LOG2E
+  if opts.config.fused_dq:
+    acc = fused_dq.accumulator(q, opts.config.block_q)
+    dk, dv = dkv_kernel.dkv(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias,
+                            dq_acc=acc)
+    dq = fused_dq.finalize(acc[...], seq_q=q.shape[1], scale=opts.scale, dtype=q.dtype)
+    return dq, dk, dv, None
   dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
   dq, ds = dq if opts.bias_grad else (dq, None)
   # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,

@@ -39,6 +39,7 @@ from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
+from flash_attn_hopper.kernels import fused_dq
 
 #: Every step issues dV and dK together (`accumulate.matmul_accumulate_pair`). Up to this
 #: head dim it also issues Sᵀ and dPᵀ together (2^(Sᵀ − LSE) runs under dPᵀ); above it, Sᵀ
@@ -74,6 +75,7 @@ class _Refs(NamedTuple):
   k_ids_smem: object = None  # segments: (compute warpgroups, block_kv) int32
   q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
   bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_kv, block_q), Bᵀ
+  fused: fused_dq.Buffers | None = None  # `BackwardConfig.fused_dq`: dQ's buffers
 
 
 class _Tile(NamedTuple):
@@ -196,12 +198,17 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
   else:
     pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
     dpt = common.matmul(v_smem, do_slot.T, shape)
-  dst = logits_grad(pt, dpt)
+  dst = logits_grad(pt, dpt).astype(dims.dtype)
+  if refs.fused is not None:  # For dQ's part, from both warpgroups' dSᵀ.
+    fused_dq.store_ds(dst, step=step, wg=wg, buffers=refs.fused)
   dk, dv = accumulate.matmul_accumulate_pair(
-      (dk, dv), (dst.astype(dims.dtype), pt.astype(dims.dtype)), (q_slot, do_slot),
-      staging=staging)
+      (dk, dv), (dst, pt.astype(dims.dtype)), (q_slot, do_slot), staging=staging)
   plgpu.barrier_arrive(do_s.consumed.at[slot])
   plgpu.barrier_arrive(q_s.consumed.at[slot])
+  if refs.fused is not None:
+    head, q0 = step_rows(step, tile, dims, cfg)
+    fused_dq.add_step(step=step, head=head, q0=q0, wg=wg, batch=tile.batch,
+                      k_smem=refs.k_smem, buffers=refs.fused, dims=dims, opts=opts)
   return dk, dv
 
 
@@ -233,6 +240,8 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   free = lambda g: _free_blocks(tile, refs.masks, dims, opts, g)  # They read no bias tile.
   dk, dv = common.walk_head_runs(dims.group, tile.steps_per_head, free if opts.bias else None,
                                  step, (zeros, zeros))
+  if refs.fused is not None:  # The other warpgroup's dQ products read this K tile.
+    fused_dq.finish(refs.fused)
 
   k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
   v_smem[...] = dv.astype(dims.dtype)
@@ -273,7 +282,8 @@ def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
-  masks, (dk, dv) = common.MaskInputs.split(rest, opts)
+  masks, outs = common.MaskInputs.split(rest, opts)
+  *dq_acc, dk, dv = outs  # (dQ's float32 accumulator, an input ref, with `fused_dq`)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.num_stages
@@ -294,12 +304,18 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
   num_streams = 4 + bool(opts.segments) + bool(opts.bias)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
+  fused = fused_dq.smem_types(dims, cfg) if cfg.fused_dq else ()
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
              bias_ring, *rest):
+    rest = list(rest)
+    buffers = None
+    if fused:
+      buffers = fused_dq.Buffers(*rest[-len(fused):], dq_acc[0])
+      del rest[-len(fused):]
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
                  delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
-                 bias_ring)
+                 bias_ring, buffers)
     tile_ready, *ring_barriers = rest[len(staging):]
     tile = _tile(masks, dims, opts)
     barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
@@ -309,12 +325,15 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
         lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),
         lambda: common.producer(streams, num_steps, stages))
 
-  pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
+  pl.run_scoped(scoped, *scratch, *staging, *barriers, *fused, collective_axes="wg")
 
 
 def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
-        segment_ids=None, bias=None):
-  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`)."""
+        segment_ids=None, bias=None, dq_acc=None):
+  """dK and dV (B, S, K, D) in K's dtype, from canonical padded inputs (see `backward`).
+
+  With `opts.config.fused_dq`, also adds dQ (unscaled, float32) into `dq_acc`, a ref from
+  `fused_dq.accumulator`."""
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   keys = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_kv
@@ -328,7 +347,7 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   return common.launch(
       functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      *masks.arrays(), out_type=out_type,
+      *masks.arrays(), *([] if dq_acc is None else [dq_acc]), out_type=out_type,
       grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
       grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)

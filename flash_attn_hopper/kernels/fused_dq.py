@@ -1,0 +1,140 @@
+"""dQ inside the dK/dV kernel, FA3's five-matmul backward (`BackwardConfig.fused_dq`, which
+the op takes with `deterministic=False`): no dQ kernel recomputes S and dP.
+
+Each step of `kernels/dkv.py` (query head h, query block j) leaves both compute warpgroups
+with their dSᵀ (block_kv keys × block_q queries). Then::
+
+    warpgroup w:  dSᵀ_w ─► ds_smem[step % 2, w]                  (input dtype)
+    both:         sync (`ds_ready`: both tiles are in shared memory)
+    warpgroup w:  dQ_w = Σ_i (dSᵀ_i)ᵀ K_i[:, cols_w]              (block_q × 64, float32)
+                  dQ_w ─► staging[w] ─► TMA reduce-add into acc[b, rows of j, h, cols_w]
+
+The accumulator is float32 (B, T_acc, N, D), zeroed by XLA and handed to the kernel as a
+ref (`jax.new_ref`), so the kernel adds into it in place. The KV tiles that see a query
+block add into it in whatever order their CTAs get there, so dQ's bits may differ from run
+to run (float addition does not associate), as in FA3's and cuDNN's default backward; dK
+and dV keep their fixed order. Any mask works: no tile needs to know which others add.
+
+Columns (`config.FUSED_DQ_COLUMNS`): at D 128 each warpgroup computes one half of dQ's
+columns every step (a whole block_q × D float32 partial would not fit in registers beside
+its dK and dV). At D 64 a half would slice K's B operand inside a swizzle row, which wgmma
+cannot do: there the warpgroups take turns, warpgroup s % 2 computing step s.
+
+A warpgroup reuses its staging tile one add later, once TMA has read it
+(`wait_smem_to_gmem(wait_read_only=True)`, right before the next write, so the read hides
+under a whole step). The dSᵀ tiles are double-buffered: a warpgroup writes slot s % 2 at
+step s only after both passed step s − 1's sync, so the other is done with step s − 2's.
+
+The interpreter (jax 0.11.2) has no TMA reductions; it runs the grid's CTAs one after
+another, so there each add is a plain read-modify-write of the accumulator
+(`_add_to_global`, the only interpreter-only formulation here).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import pipeline
+from flash_attn_hopper.kernels import common
+
+
+class Buffers(NamedTuple):
+  ds_smem: object   # (FUSED_DQ_DS_BUFFERS, compute warpgroups, block_kv, block_q), input dtype
+  staging: object   # (compute warpgroups, block_q, FUSED_DQ_COLUMNS) float32, for TMA
+  ds_ready: object  # barrier, one arrival per compute warpgroup: both dSᵀ tiles are stored
+  acc: object       # (B, T_acc, N, D) float32 in global memory, T_acc = whole query blocks
+
+
+def accumulator(q, block_q: int):
+  """The zeroed float32 accumulator for padded queries `q`, as a ref the kernel adds into."""
+  b, t, n, d = q.shape
+  return jax.new_ref(jnp.zeros((b, pl.cdiv(t, block_q) * block_q, n, d), jnp.float32))
+
+
+def finalize(acc, *, seq_q: int, scale: float, dtype):
+  """dQ (B, seq_q, N, D) in `dtype` from the accumulator: scaled once, padding dropped."""
+  return (acc[:, :seq_q] * scale).astype(dtype)
+
+
+def smem_types(dims: common.Dims, cfg: config_lib.BackwardConfig) -> tuple:
+  """(dSᵀ tiles, dQ staging, the dSᵀ barrier); `BackwardConfig.fused_dq_smem_bytes` counts
+  the first two."""
+  wgs = pipeline.NUM_COMPUTE_WARPGROUPS
+  return (common.smem_tile((config_lib.FUSED_DQ_DS_BUFFERS, wgs, cfg.block_kv, cfg.block_q),
+                           dims.dtype),
+          common.smem_tile((wgs, cfg.block_q, config_lib.FUSED_DQ_COLUMNS), jnp.float32),
+          plgpu.Barrier(num_arrivals=wgs))
+
+
+def column_parts(head_dim: int) -> int:
+  """dQ's column blocks (one per warpgroup at D 128; one, taken in turns, at D 64)."""
+  return head_dim // config_lib.FUSED_DQ_COLUMNS
+
+
+def store_ds(ds, *, step, wg, buffers: Buffers):
+  """Stores this warpgroup's dSᵀ (`ds`, input dtype) for both warpgroups' dQ products, and
+  says so; `add_step` waits for the other's. (Called before dK += dSᵀ Q and dV += Pᵀ dO are
+  issued, so the other warpgroup's wait hides under those matmuls.)"""
+  buffers.ds_smem.at[step % config_lib.FUSED_DQ_DS_BUFFERS, wg][...] = ds
+  plgpu.commit_smem()  # Visible to wgmma (the async proxy).
+  plgpu.barrier_arrive(buffers.ds_ready)
+
+
+def add_step(*, step, head, q0, wg, batch, k_smem, buffers: Buffers, dims: common.Dims,
+             opts):
+  """This warpgroup's part of one step's dQ: once both dSᵀ tiles are stored, multiplies
+  them by its columns of K (see the module docstring) and adds the product into the
+  accumulator's rows [q0, q0 + block_q) of query head `head`. (Issuing the product beside
+  dK and dV instead was slower on the H200: more registers spilled, `bench/NOTES.md`.)"""
+  plgpu.barrier_wait(buffers.ds_ready)
+  part_of = functools.partial(_product_and_add, slot=step % config_lib.FUSED_DQ_DS_BUFFERS,
+                              wg=wg, head=head, q0=q0, batch=batch, k_smem=k_smem,
+                              buffers=buffers, dims=dims, opts=opts)
+  if column_parts(dims.head_dim) == pipeline.NUM_COMPUTE_WARPGROUPS:
+    part_of(wg)
+  else:  # One part: the warpgroups take turns.
+    pl.when(step % pipeline.NUM_COMPUTE_WARPGROUPS == wg)(lambda: part_of(0))
+
+
+def _product_and_add(part, *, slot, wg, head, q0, batch, k_smem, buffers: Buffers,
+                     dims: common.Dims, opts):
+  """dQ's column block `part` of one step, (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols], added to global."""
+  cfg = opts.config
+  width = config_lib.FUSED_DQ_COLUMNS
+  start = part * width if isinstance(part, int) else pl.multiple_of(part * width, width)
+  cols = pl.ds(start, width)
+
+  def run(acc_ref):
+    for i in range(pipeline.NUM_COMPUTE_WARPGROUPS):  # Over the CTA's key blocks.
+      plgpu.wgmma(acc_ref, buffers.ds_smem.at[slot, i].T, k_smem.at[i, :, cols])
+    return acc_ref[...]
+  product = pl.run_scoped(run, plgpu.ACC((cfg.block_q, width), jnp.float32))
+  dst = buffers.acc.at[batch, pl.ds(q0, cfg.block_q), head, cols]
+  _add_to_global(product, buffers.staging.at[wg], dst, interpret=opts.interpret)
+
+
+def _add_to_global(part, staging, dst, *, interpret: bool):
+  """dst += part: through `staging` (shared memory) and a TMA bulk reduce-add on the GPU; a
+  read-modify-write in the interpreter (see the module docstring)."""
+  if interpret:
+    dst[...] = dst[...] + part
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # This warpgroup's last add read it.
+  staging[...] = part
+  plgpu.commit_smem()  # Visible to TMA.
+  plgpu.copy_smem_to_gmem(staging, dst, reduction_op="add")
+
+
+def finish(buffers: Buffers):
+  """After the last step: waits until both warpgroups are past their last dQ product, so
+  each may overwrite its K tile (the other's products read it) with dK."""
+  plgpu.barrier_arrive(buffers.ds_ready)
+  plgpu.barrier_wait(buffers.ds_ready)
