@@ -29,7 +29,9 @@ def _workloads(args) -> list:
 def _peers(args):
   """Ours first, then the requested peers that import; the others with their reasons."""
   found, missing = available_peers(args.peers)
-  return [ours_peer(args.interpret, args.backward_config), *found.values()], missing
+  ours = ours_peer(args.interpret, args.backward_config,
+                   deterministic=not getattr(args, "nondeterministic", False))
+  return [ours, *found.values()], missing
 
 
 def _device() -> dict:

@@ -67,6 +67,9 @@ def _add_grid_options(p: argparse.ArgumentParser):
   g.add_argument("--backward-config", metavar="BQ,BKV,STAGES[,DQ_STAGES]", default=None,
                  help="our op's backward_config for every cell (e.g. 64,64,2,1, the one "
                       "shape that fits D 256)")
+  g.add_argument("--nondeterministic", action="store_true",
+                 help="our op with deterministic=False: the five-matmul backward where it "
+                      "measured faster (flash_attn_hopper.config.TUNED_BACKWARD_FUSED)")
 
 
 def _add_run_options(p: argparse.ArgumentParser):

@@ -51,25 +51,30 @@ def workload_scale(workload: Workload) -> float:
 
 # --- ours --------------------------------------------------------------------------------------
 
-def _ours_fn(q, k, v, workload: Workload, *, interpret: bool, backward_config=None):
+def _ours_fn(q, k, v, workload: Workload, *, interpret: bool, backward_config=None,
+             deterministic: bool = True):
   """Our kernel, forced (no fallback), imported lazily so a missing op fails one cell only."""
   import flash_attn_hopper  # pylint: disable=import-outside-toplevel
   op = getattr(flash_attn_hopper, "dot_product_attention", None)
   if op is None:
     raise ImportError("flash_attn_hopper.dot_product_attention does not exist yet")
   extra = {} if backward_config is None else {"backward_config": backward_config}
+  if not deterministic:
+    extra["deterministic"] = False
   return op(q, k, v, scale=workload_scale(workload), is_causal=workload.is_causal,
             implementation="flash_attn_hopper", interpret=interpret, **extra)
 
 
-def ours_peer(interpret: bool = False, backward_config=None) -> Peer:
+def ours_peer(interpret: bool = False, backward_config=None, deterministic: bool = True) -> Peer:
   """Our kernel; `interpret` runs it in Pallas interpret mode (for CPU smoke runs);
-  `backward_config` is passed to the op (None: its tuned one)."""
+  `backward_config` and `deterministic` are passed to the op (None: its tuned config)."""
   return Peer(OURS, functools.partial(_ours_fn, interpret=interpret,
-                                      backward_config=backward_config),
+                                      backward_config=backward_config,
+                                      deterministic=deterministic),
               description="flash_attn_hopper (implementation='flash_attn_hopper')"
               + (", interpret=True" if interpret else "")
-              + ("" if backward_config is None else f", backward_config={backward_config}"))
+              + ("" if backward_config is None else f", backward_config={backward_config}")
+              + ("" if deterministic else ", deterministic=False"))
 
 
 # --- jax.nn: cuDNN and XLA ---------------------------------------------------------------------

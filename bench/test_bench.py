@@ -128,6 +128,20 @@ def test_backward_config_reaches_our_peer():
     options.resolve(p.parse_args(["--backward-config", "64,64"]))
 
 
+def test_nondeterministic_reaches_our_peer(monkeypatch):
+  import flash_attn_hopper as fah
+  seen = {}
+  monkeypatch.setattr(fah, "dot_product_attention", lambda *a, **kw: seen.update(kw))
+  p = options.build_parser("")
+  args = options.resolve(p.parse_args(["--nondeterministic"]))
+  assert args.nondeterministic
+  peer = peers.ours_peer(False, None, deterministic=not args.nondeterministic)
+  assert "deterministic=False" in peer.description
+  w = grid.grid_workloads((128,), (64,), (False,), ("bfloat16",), 256, 128)[0]
+  peer.fn(None, None, None, w)
+  assert seen["deterministic"] is False
+
+
 def test_cli_end_to_end(tmp_path, capsys):
   rc = cli.main(["--peers", "xla", "--seq-lens", "64", "--head-dims", "32", "--dtypes",
                  "float32", "--tokens", "64", "--hidden", "64", "--repeats", "2", "--passes",

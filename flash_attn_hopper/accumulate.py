@@ -1,4 +1,5 @@
-"""O += P·V with O re-entering the tensor cores, and the one interpreter-only formulation.
+"""Accumulation: O += P·V with O re-entering the tensor cores, dQ's float32 parts added into
+global memory, and the interpreter-only formulations of both.
 
 On the GPU, the running output re-enters wgmma as its accumulator (`plgpu.ACC.init`, through
 `layouts.to_accumulator_layout`) and P comes straight from registers, so neither the add nor
@@ -9,10 +10,12 @@ the real kernels on a CPU, lacks three things this needs: `pl.run_state(f)(plgpu
 a store into an ACC ref, and a wgmma whose left operand is in registers. With
 `interpret=True` the left operand is staged through shared memory, the product goes into a
 fresh zero accumulator (`pl.run_scoped(f, plgpu.ACC(...))`) and is added in registers: the
-same sum. This module is the only place that branches on the interpreter. (The interpreter
-also skips one instruction, the fence between memory proxies of
-`pipeline.order_loads_before_tma`, through `pipeline.INTERPRET_PARAMS`: it simulates a single
-proxy, and the kernels' code stays the same.)
+same sum. It has no TMA reductions either: `add_to_global` adds with a read-modify-write
+there, which is race-free because the interpreter runs the grid's CTAs one after another.
+This module is the only place that branches on the interpreter. (The interpreter also skips
+one instruction, the fence between memory proxies of `pipeline.order_loads_before_tma`,
+through `pipeline.INTERPRET_PARAMS`: it simulates a single proxy, and the kernels' code
+stays the same.)
 """
 
 from __future__ import annotations
@@ -111,3 +114,18 @@ def matmul_beside_accumulate(acc, lhs, rhs_smem, fresh, on_fresh, like, *, stagi
   acc, result = pl.run_state(issue)(
       (plgpu.ACC.init(layouts.to_accumulator_layout(acc)), like))
   return acc, result
+
+
+def add_to_global(part, staging, dst, *, interpret: bool):
+  """dst += part (float32, `Layout.WGMMA`) in global memory, in no fixed order with other
+  CTAs' adds: through `staging` (a shared-memory tile shaped like `part`) and a TMA bulk
+  reduce-add on the GPU, a read-modify-write in the interpreter (see the module docstring).
+  The warpgroup reuses `staging` only once TMA has read its last add, waited for right before
+  the next write so that the read hides under whatever ran in between."""
+  if interpret:
+    dst[...] = dst[...] + part
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  staging[...] = part
+  plgpu.commit_smem()  # Visible to TMA.
+  plgpu.copy_smem_to_gmem(staging, dst, reduction_op="add")

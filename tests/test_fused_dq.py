@@ -121,3 +121,16 @@ def test_config_errors_name_the_fix():
     cfg.check_fits(128, 2, bias_grad=True)
   with pytest.raises(TypeError, match="BackwardConfig.fused_dq must be a bool"):
     config_lib.BackwardConfig(fused_dq=1)
+
+
+@pytest.mark.interpret
+@pytest.mark.usefixtures("no_dq_kernel")
+def test_under_vmap(rng):
+  """The accumulator ref (`jax.new_ref`) batches with the kernel under `jax.vmap`."""
+  w = workloads.Workload("mha_64x130_d64", batch=1, seq_q=64, seq_kv=130, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v = (jnp.stack([x, -x]) for x in testing.random_qkv(rng, w, "bfloat16"))
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  grads = jax.vmap(lambda *a: _grads(*a, backward_config=FUSED))(q, k, v, dout)
+  for i in range(2):
+    testing.check_gradients([g[i] for g in grads], q[i], k[i], v[i], dout[i])

@@ -80,6 +80,17 @@ CASES = {
     # D 256's own kernels: the forward's and the split dK/dV kernel's one-slot bias rings.
     "bias_grad_d256": (128, 128, 256, True, lambda rng: dict(is_causal=True,
                                                              bias=_bias(rng, 128, 128))),
+    # The five-matmul backward's dSᵀ stores and barriers. Its dSᵀ tiles are double-buffered
+    # because the other warpgroup's wgmma reads them, but jax 0.11.2's detector does not
+    # track wgmma's operand reads: with one buffer it reports nothing (tried, 2026-12-01).
+    # One KV tile (S ≤ 128): CTAs of several KV tiles add into the same dQ rows in no order,
+    # on the GPU with atomic TMA reduce-adds, here with a read-modify-write that is safe only
+    # because the interpreter runs CTAs one by one, which the detector cannot know.
+    "fused_dq_grad_d64": (320, 128, 64, True, lambda rng: dict(
+        is_causal=True, causal_alignment="bottom_right",
+        backward_config=fah.BackwardConfig(fused_dq=True))),
+    "fused_dq_grad_d128": (192, 100, 128, True, lambda rng: dict(
+        backward_config=fah.BackwardConfig(fused_dq=True))),
 }
 
 
@@ -102,3 +113,4 @@ def test_the_detector_finds_a_missing_proxy_fence(rng, capsys, monkeypatch):
   _run(q, k, v, False, is_causal=True, bias=_bias(rng, 256, 192), config=ONE_BIAS_SLOT)
   out = capsys.readouterr().out
   assert RACE in out and "bias_tile" in out, out[-2000:]
+

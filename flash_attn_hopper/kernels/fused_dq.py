@@ -25,22 +25,26 @@ A warpgroup reuses its staging tile one add later, once TMA has read it
 under a whole step). The dSᵀ tiles are double-buffered: a warpgroup writes slot s % 2 at
 step s only after both passed step s − 1's sync, so the other is done with step s − 2's.
 
-The interpreter (jax 0.11.2) has no TMA reductions; it runs the grid's CTAs one after
-another, so there each add is a plain read-modify-write of the accumulator
-(`_add_to_global`, the only interpreter-only formulation here).
+The adds go through `accumulate.add_to_global`, which in the interpreter (no TMA reductions
+in jax 0.11.2) is a read-modify-write.
+
+On the H200 (`bench/NOTES.md`, twelfth session) the dSᵀ stores and the sync cost nothing
+measurable and the product about what a matmul costs; the float32 staging and reduce-adds
+cost the most (about 3.2 ms of an 11 ms kernel at D 128, 16k), so the five matmuls beat the
+seven only at long sequences (`config.TUNED_BACKWARD_FUSED`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from flash_attn_hopper import accumulate
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import pipeline
 from flash_attn_hopper.kernels import common
@@ -118,19 +122,7 @@ def _product_and_add(part, *, slot, wg, head, q0, batch, k_smem, buffers: Buffer
     return acc_ref[...]
   product = pl.run_scoped(run, plgpu.ACC((cfg.block_q, width), jnp.float32))
   dst = buffers.acc.at[batch, pl.ds(q0, cfg.block_q), head, cols]
-  _add_to_global(product, buffers.staging.at[wg], dst, interpret=opts.interpret)
-
-
-def _add_to_global(part, staging, dst, *, interpret: bool):
-  """dst += part: through `staging` (shared memory) and a TMA bulk reduce-add on the GPU; a
-  read-modify-write in the interpreter (see the module docstring)."""
-  if interpret:
-    dst[...] = dst[...] + part
-    return
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # This warpgroup's last add read it.
-  staging[...] = part
-  plgpu.commit_smem()  # Visible to TMA.
-  plgpu.copy_smem_to_gmem(staging, dst, reduction_op="add")
+  accumulate.add_to_global(product, buffers.staging.at[wg], dst, interpret=opts.interpret)
 
 
 def finish(buffers: Buffers):
