@@ -43,9 +43,9 @@ def attention(q, k, v, kv_lens, segment_ids, bias, opts: forward_kernel.ForwardO
               deterministic: bool = True):
   """Kernel attention on canonical inputs; returns (out, lse) as `attention_forward` does.
 
-  `bwd_config` sets the backward kernels' blocks (None: the tuned ones, which without
-  `deterministic` are the five-matmul backward's, whose dQ may differ in its last bits from
-  run to run).
+  `bwd_config` sets the backward kernels' blocks (None: the tuned ones; without
+  `deterministic`, the five-matmul backward's where they measured faster, whose dQ may
+  differ in its last bits from run to run: `config.resolve_backward_config`).
 
   `kv_lens` is None, or (B,) int32 keys per batch element when `opts.kv_lens`;
   `segment_ids` is None, or `masking.SegmentIds` padded like q and k when `opts.segments`.

@@ -168,8 +168,9 @@ class BackwardConfig:
   dq_num_stages: int | None = None
   #: FA3's five-matmul backward: no dQ kernel; the dK/dV kernel also computes dQ and adds it
   #: into a float32 accumulator with TMA reduce-adds in no fixed order, so dQ's bits may
-  #: change from run to run (`kernels/fused_dq.py`). The op takes it with
-  #: `deterministic=False`. D 64 and 128, and not beside a bias's gradient (dS).
+  #: change from run to run (`kernels/fused_dq.py`). The op's `deterministic=False` takes it
+  #: where it measured faster (`TUNED_BACKWARD_FUSED`). D 64 and 128, and not beside a
+  #: bias's gradient (dS).
   fused_dq: bool = False
 
   def __post_init__(self):
@@ -241,11 +242,11 @@ class BackwardConfig:
     (or `fused_dq` meets what it does not support)."""
     if self.fused_dq and head_dim not in FUSED_DQ_HEAD_DIMS:
       raise ValueError(f"BackwardConfig.fused_dq supports head_dim in {FUSED_DQ_HEAD_DIMS}, "
-                       f"got head_dim={head_dim}; set fused_dq=False (or deterministic=True)")
+                       f"got head_dim={head_dim}; set fused_dq=False")
     if self.fused_dq and bias_grad:
       raise ValueError("BackwardConfig.fused_dq cannot give a bias its gradient (that needs "
-                       "the dQ kernel's dS); set fused_dq=False (or deterministic=True), or "
-                       "stop the bias's gradient")
+                       "the dQ kernel's dS); set fused_dq=False, or stop the bias's "
+                       "gradient")
     if head_dim >= SPLIT_DKV_HEAD_DIM and self.block_kv != hardware.WGMMA_ROWS:
       raise ValueError(
           f"BackwardConfig.block_kv must be {hardware.WGMMA_ROWS} at head_dim={head_dim} (the "

@@ -117,7 +117,7 @@ def test_config_errors_name_the_fix():
   cfg = config_lib.BackwardConfig(fused_dq=True)
   with pytest.raises(ValueError, match="fused_dq supports head_dim"):
     cfg.check_fits(256, 2)
-  with pytest.raises(ValueError, match="deterministic=True"):
+  with pytest.raises(ValueError, match="set fused_dq=False, or stop the bias's gradient"):
     cfg.check_fits(128, 2, bias_grad=True)
   with pytest.raises(TypeError, match="BackwardConfig.fused_dq must be a bool"):
     config_lib.BackwardConfig(fused_dq=1)

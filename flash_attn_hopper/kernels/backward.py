@@ -31,7 +31,8 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
   Returns:
     (dq, dk, dv, dbias), the first three shaped and typed like (q, k, v). dK and dV are summed
     over each GQA group inside the kernel, in a fixed order: two runs give bitwise-equal
-    results. So is dQ, except with `opts.config.fused_dq` (its adds come in no fixed order). dbias is None unless `opts.bias_grad`: then the dQ kernel's dS, summed (in
+    results. So is dQ, except with `opts.config.fused_dq` (its adds come in no fixed
+    order). dbias is None unless `opts.bias_grad`: then the dQ kernel's dS, summed (in
     float32) over the dimensions the bias broadcasts, shaped and typed like `bias`.
   """
   t, t_tiles = q.shape[1], lse.shape[-1]

@@ -1,5 +1,6 @@
 """dQ inside the dK/dV kernel, FA3's five-matmul backward (`BackwardConfig.fused_dq`, which
-the op takes with `deterministic=False`): no dQ kernel recomputes S and dP.
+the op's `deterministic=False` takes where it measured faster): no dQ kernel recomputes S
+and dP.
 
 Each step of `kernels/dkv.py` (query head h, query block j) leaves both compute warpgroups
 with their dSᵀ (block_kv keys × block_q queries). Then::
