@@ -78,6 +78,32 @@ def matmul_accumulate_pair(accs, lhss, rhss_smem, *, staging=None):
       tuple(plgpu.ACC.init(layouts.to_accumulator_layout(acc)) for acc in accs))
 
 
+def matmul_accumulate_pair_around(accs, lhss, rhss_smem, fresh, on_fresh, *, staging=None):
+  """FA3's dQ order in its backward step: issues acc0 += lhs0 @ rhs0, then a fresh product
+  (`fresh` is `(issue, shape)`: `issue(ref)` issues it into a fresh float32 accumulator of
+  `shape`, and may wait on a barrier first), then acc1 += lhs1 @ rhs1, and runs
+  `on_fresh(product)` as soon as the fresh product is done, while acc1's matmul is still on
+  the tensor cores. Returns `(acc0 + lhs0 @ rhs0, acc1 + lhs1 @ rhs1)`. When interpreting
+  (`staging` given), the three run one after the other: the same sums."""
+  issue_fresh, shape = fresh
+  if staging is not None:
+    acc0 = matmul_accumulate(accs[0], lhss[0], rhss_smem[0], staging=staging)
+    on_fresh(pl.run_scoped(lambda ref: (issue_fresh(ref), ref[...])[1],
+                           plgpu.ACC(shape, jnp.float32)))
+    return acc0, matmul_accumulate(accs[1], lhss[1], rhss_smem[1], staging=staging)
+
+  def issue(acc_refs):
+    def scoped(fresh_ref):
+      plgpu.wgmma(acc_refs[0], lhss[0], rhss_smem[0])
+      issue_fresh(fresh_ref)
+      plgpu.wgmma(acc_refs[1], lhss[1], rhss_smem[1])
+      # Commit groups retire in order: with one left in flight, the fresh product is done.
+      on_fresh(plgpu.wgmma_accumulator_load(fresh_ref, wait_n=1))
+    pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+  return pl.run_state(issue)(
+      tuple(plgpu.ACC.init(layouts.to_accumulator_layout(acc)) for acc in accs))
+
+
 def matmul_beside_accumulate(acc, lhs, rhs_smem, fresh, on_fresh, like, *, staging=None,
                              after_issue=lambda: None):
   """FA3's intra-warpgroup overlap: issues a fresh product `a @ b` of shared-memory operands

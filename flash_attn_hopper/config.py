@@ -348,7 +348,11 @@ def _tuned(table: dict, long_table: dict, head_dim: int, is_causal: bool, seq_le
 #   D 128 causal:     1k 0.730 → 0.980, 4k 2.043 → 2.485, 16k 7.873 → 7.925
 #   D 64 non-causal:  1k 1.267 → 1.506, 4k 4.426 → 5.086, 16k 18.144 → 19.454
 #   D 64 causal:      1k 0.959 → 1.014, 4k 2.635 → 2.689, 16k 9.991 → 8.941 (kept)
-# 8k is not measured: the crossovers lie between 4k and 16k.
+# 8k is not measured: the crossovers lie between 4k and 16k. Those runs issued dQ's product
+# after dK and dV; in FA3's order (dV, dQ, dK, as now), the same session, the kept cells
+# read 15.631 → 15.077 (D 128) and 9.770 → 9.320 (D 64 causal), D 128 non-causal 4k
+# 3.783 → 3.848 and D 64 non-causal 4k 4.565 → 5.257 (still not taken;
+# bench/results/h200_fused_dq_fa3_order.log).
 TUNED_BACKWARD_FUSED: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
     (128, False): (16384, BackwardConfig(fused_dq=True)),
     (64, True): (16384, BackwardConfig(fused_dq=True)),

@@ -17,8 +17,8 @@ x in `Layout.WGMMA` works; x cast to `WGMMA_TRANSPOSED` and back to `WGMMA` work
 inference; a `WG_STRIDED` array cannot be cast back to `WGMMA` at all.
 
 So every accumulator path of every kernel goes through `to_accumulator_layout`; the kernels
-re-enter accumulators only through `accumulate.matmul_accumulate` (its pair, and
-`matmul_beside_accumulate`), which call it.
+re-enter accumulators only through `accumulate.matmul_accumulate` (its pair, the pair around
+a fresh product, and `matmul_beside_accumulate`), which call it.
 """
 
 from __future__ import annotations

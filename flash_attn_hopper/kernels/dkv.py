@@ -199,16 +199,20 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
     pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
     dpt = common.matmul(v_smem, do_slot.T, shape)
   dst = logits_grad(pt, dpt).astype(dims.dtype)
-  if refs.fused is not None:  # For dQ's part, from both warpgroups' dSᵀ.
+  if refs.fused is None:
+    dk, dv = accumulate.matmul_accumulate_pair(
+        (dk, dv), (dst, pt.astype(dims.dtype)), (q_slot, do_slot), staging=staging)
+  else:  # FA3's order: dV, then dQ's part (from both warpgroups' dSᵀ), then dK.
     fused_dq.store_ds(dst, step=step, wg=wg, buffers=refs.fused)
-  dk, dv = accumulate.matmul_accumulate_pair(
-      (dk, dv), (dst, pt.astype(dims.dtype)), (q_slot, do_slot), staging=staging)
+    head, q0 = step_rows(step, tile, dims, cfg)
+    add = functools.partial(fused_dq.add_product, step=step, wg=wg, head=head, q0=q0,
+                            batch=tile.batch, buffers=refs.fused, dims=dims, opts=opts)
+    dv, dk = accumulate.matmul_accumulate_pair_around(
+        (dv, dk), (pt.astype(dims.dtype), dst), (do_slot, q_slot),
+        fused_dq.product(step=step, wg=wg, k_smem=refs.k_smem, buffers=refs.fused, dims=dims,
+                         cfg=cfg), add, staging=staging)
   plgpu.barrier_arrive(do_s.consumed.at[slot])
   plgpu.barrier_arrive(q_s.consumed.at[slot])
-  if refs.fused is not None:
-    head, q0 = step_rows(step, tile, dims, cfg)
-    fused_dq.add_step(step=step, head=head, q0=q0, wg=wg, batch=tile.batch,
-                      k_smem=refs.k_smem, buffers=refs.fused, dims=dims, opts=opts)
   return dk, dv
 
 

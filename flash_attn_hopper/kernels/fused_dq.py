@@ -6,9 +6,16 @@ Each step of `kernels/dkv.py` (query head h, query block j) leaves both compute 
 with their dSᵀ (block_kv keys × block_q queries). Then::
 
     warpgroup w:  dSᵀ_w ─► ds_smem[step % 2, w]                  (input dtype)
+                  issue dV += Pᵀ dO
     both:         sync (`ds_ready`: both tiles are in shared memory)
-    warpgroup w:  dQ_w = Σ_i (dSᵀ_i)ᵀ K_i[:, cols_w]              (block_q × 64, float32)
+    warpgroup w:  issue dQ_w = Σ_i (dSᵀ_i)ᵀ K_i[:, cols_w]        (block_q × 64, float32)
+                  issue dK += dSᵀ Q
+                  once dQ_w is done (dK still running):
                   dQ_w ─► staging[w] ─► TMA reduce-add into acc[b, rows of j, h, cols_w]
+
+FA3's order (`accumulate.matmul_accumulate_pair_around`): the product's staging hides under
+dK. Issued after dK and dV and awaited alone, the same step was up to 4% slower at D 128 4k
+(`bench/NOTES.md`).
 
 The accumulator is float32 (B, T_acc, N, D), zeroed by XLA and handed to the kernel as a
 ref (`jax.new_ref`), so the kernel adds into it in place. The KV tiles that see a query
@@ -30,14 +37,13 @@ The adds go through `accumulate.add_to_global`, which in the interpreter (no TMA
 in jax 0.11.2) is a read-modify-write.
 
 On the H200 (`bench/NOTES.md`, twelfth session) the dSᵀ stores and the sync cost nothing
-measurable and the product about what a matmul costs; the float32 staging and reduce-adds
-cost the most (about 3.2 ms of an 11 ms kernel at D 128, 16k), so the five matmuls beat the
-seven only at long sequences (`config.TUNED_BACKWARD_FUSED`).
+measurable and the product about what a matmul costs; materializing the float32 product and
+adding it cost the most (about 3 ms of an 11 ms kernel at D 128, 16k), so the five matmuls
+beat the seven only at long sequences (`config.TUNED_BACKWARD_FUSED`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -86,44 +92,58 @@ def column_parts(head_dim: int) -> int:
 
 def store_ds(ds, *, step, wg, buffers: Buffers):
   """Stores this warpgroup's dSᵀ (`ds`, input dtype) for both warpgroups' dQ products, and
-  says so; `add_step` waits for the other's. (Called before dK += dSᵀ Q and dV += Pᵀ dO are
+  says so; `product` waits for the other's. (Called before dK += dSᵀ Q and dV += Pᵀ dO are
   issued, so the other warpgroup's wait hides under those matmuls.)"""
   buffers.ds_smem.at[step % config_lib.FUSED_DQ_DS_BUFFERS, wg][...] = ds
   plgpu.commit_smem()  # Visible to wgmma (the async proxy).
   plgpu.barrier_arrive(buffers.ds_ready)
 
 
-def add_step(*, step, head, q0, wg, batch, k_smem, buffers: Buffers, dims: common.Dims,
-             opts):
-  """This warpgroup's part of one step's dQ: once both dSᵀ tiles are stored, multiplies
-  them by its columns of K (see the module docstring) and adds the product into the
-  accumulator's rows [q0, q0 + block_q) of query head `head`. (Issuing the product beside
-  dK and dV instead was slower on the H200: more registers spilled, `bench/NOTES.md`.)"""
-  plgpu.barrier_wait(buffers.ds_ready)
-  part_of = functools.partial(_product_and_add, slot=step % config_lib.FUSED_DQ_DS_BUFFERS,
-                              wg=wg, head=head, q0=q0, batch=batch, k_smem=k_smem,
-                              buffers=buffers, dims=dims, opts=opts)
-  if column_parts(dims.head_dim) == pipeline.NUM_COMPUTE_WARPGROUPS:
-    part_of(wg)
-  else:  # One part: the warpgroups take turns.
-    pl.when(step % pipeline.NUM_COMPUTE_WARPGROUPS == wg)(lambda: part_of(0))
+def product(*, step, wg, k_smem, buffers: Buffers, dims: common.Dims, cfg):
+  """(issue, shape) of this warpgroup's part of the step's dQ, for
+  `accumulate.matmul_accumulate_pair_around`: `issue(ref)` waits until both dSᵀ tiles are
+  stored, then issues (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols] into `ref` (nothing when it is the other
+  warpgroup's turn, at D 64)."""
+  part, mine = _part(step, wg, dims.head_dim)
+  slot = step % config_lib.FUSED_DQ_DS_BUFFERS
+
+  def issue(acc_ref):
+    plgpu.barrier_wait(buffers.ds_ready)
+    def wgmmas():
+      for i in range(pipeline.NUM_COMPUTE_WARPGROUPS):  # Over the CTA's key blocks.
+        plgpu.wgmma(acc_ref, buffers.ds_smem.at[slot, i].T, k_smem.at[i, :, _columns(part)])
+    _when(mine, wgmmas)
+  return issue, (cfg.block_q, config_lib.FUSED_DQ_COLUMNS)
 
 
-def _product_and_add(part, *, slot, wg, head, q0, batch, k_smem, buffers: Buffers,
-                     dims: common.Dims, opts):
-  """dQ's column block `part` of one step, (Σ_i (dSᵀ_i)ᵀ K_i)[:, cols], added to global."""
-  cfg = opts.config
+def add_product(dq, *, step, wg, head, q0, batch, buffers: Buffers, dims: common.Dims, opts):
+  """Adds this warpgroup's part of the step's dQ (from `product`) into the accumulator's rows
+  [q0, q0 + block_q) of query head `head`."""
+  part, mine = _part(step, wg, dims.head_dim)
+  dst = buffers.acc.at[batch, pl.ds(q0, opts.config.block_q), head, _columns(part)]
+  _when(mine, lambda: accumulate.add_to_global(dq, buffers.staging.at[wg], dst,
+                                               interpret=opts.interpret))
+
+
+def _part(step, wg, head_dim: int):
+  """(this warpgroup's column block of dQ at `step`, whether it computes one at all)."""
+  if column_parts(head_dim) == pipeline.NUM_COMPUTE_WARPGROUPS:
+    return wg, True
+  return 0, step % pipeline.NUM_COMPUTE_WARPGROUPS == wg  # One part: taken in turns.
+
+
+def _columns(part):
   width = config_lib.FUSED_DQ_COLUMNS
   start = part * width if isinstance(part, int) else pl.multiple_of(part * width, width)
-  cols = pl.ds(start, width)
+  return pl.ds(start, width)
 
-  def run(acc_ref):
-    for i in range(pipeline.NUM_COMPUTE_WARPGROUPS):  # Over the CTA's key blocks.
-      plgpu.wgmma(acc_ref, buffers.ds_smem.at[slot, i].T, k_smem.at[i, :, cols])
-    return acc_ref[...]
-  product = pl.run_scoped(run, plgpu.ACC((cfg.block_q, width), jnp.float32))
-  dst = buffers.acc.at[batch, pl.ds(q0, cfg.block_q), head, cols]
-  accumulate.add_to_global(product, buffers.staging.at[wg], dst, interpret=opts.interpret)
+
+def _when(condition, f):
+  """f() where `condition` holds (a Python True: always)."""
+  if condition is True:
+    f()
+  else:
+    pl.when(condition)(f)
 
 
 def finish(buffers: Buffers):
