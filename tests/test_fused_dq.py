@@ -8,6 +8,8 @@ run only on the GPU (the interpreter has none): `tests/test_backward_gpu.py`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,11 +50,9 @@ def no_dq_kernel(monkeypatch):
   monkeypatch.setattr(dq_kernel, "dq", refuse)
 
 
-def _grads(q, k, v, dout, **kwargs):
-  f = lambda q, k, v: fah.dot_product_attention(
-      q, k, v, implementation="flash_attn_hopper", interpret=True, **kwargs)
-  _, vjp = jax.vjp(f, q, k, v)
-  return vjp(dout)
+#: The vjp of the interpreted op for a cotangent: `_grads(q, k, v, dout, **op_kwargs)`.
+_grads = functools.partial(testing.gradients, functools.partial(
+    fah.dot_product_attention, implementation="flash_attn_hopper", interpret=True))
 
 
 @pytest.mark.interpret
