@@ -10,9 +10,12 @@ Times four things in one run on a Hopper GPU, forward and forward+backward, bf16
 - padding: key_value_seq_lengths at half of S for every batch element, against no lengths;
 - packed sequences: 8 equal causal documents at T = S = 16k (`--packed-tokens`), as segment ids,
   against dense causal over the same T (the documents should cost about 1/8 of it);
-- an all-True `mask` (a bias tile per block, nothing skipped) and the causal mask given as a
-  `mask` (blocks above the diagonal skipped), at the packed pair's T, against no mask and
-  `is_causal` (what a data mask costs over the static band);
+- an all-True `mask` (no block skipped, no tile streamed; the op's XLA preparation of the
+  bool array still copies it to one-byte tiles) and the causal mask given as a `mask`
+  (blocks above the diagonal skipped, the diagonal's tiles streamed), at the packed pair's
+  T, against no mask and `is_causal` (what a data mask costs over the static band);
+- the packed documents (not causal) given as a block-diagonal `mask`, against the same
+  documents as segment ids;
 - the all-True mask shared by `--layers` chained layers (each layer's output the next one's
   queries), as a model's step uses one mask: its preparation is paid once per step, not per
   layer.
@@ -93,6 +96,9 @@ def main() -> int:
       f"packed: {docs} causal documents vs dense causal": (
           t_packed, dict(segment_ids=documents, is_causal=True), dict(is_causal=True)),
       "all-True mask vs no mask": (t_packed, dict(mask=all_true), {}),
+      f"{docs} documents as a mask vs as segment ids": (
+          t_packed, dict(mask=documents[:, None] == documents[None, :]),
+          dict(segment_ids=documents)),
       "causal as a mask vs is_causal": (
           t_packed, dict(mask=jnp.tri(t_packed, dtype=bool)), dict(is_causal=True)),
       f"all-True mask vs no mask, {args.layers} layers": (
