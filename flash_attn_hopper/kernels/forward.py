@@ -181,17 +181,23 @@ def _kv_step(step, carry, *, refs, bars, dims, opts, wg, q0, q_ids, seq_kv, ring
   return acc, state
 
 
-def _release_step(step, _, *, refs, bars, opts, ring0, bias_s):
-  """A block streamed for the other warpgroup only (masks): free its slot, keep the beat."""
-  slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
-  # Observe the loads (every phase of a ready barrier is waited once by each consumer).
-  common.key_ids(_ids_stream(bars, refs), slot, load=False)
-  if bias_s is not None:  # Sparse: only a block the CTA does not see in full has a tile.
-    pipeline.release(bias_s, step, opts.config.num_stages)
+def _free_kv_slot(bars: pipeline.Barriers, slot):
+  """Observes a K/V slot's loads unread (every phase of a ready barrier is waited once by
+  each consumer) and frees it: for a block streamed for the other warpgroup only."""
   plgpu.barrier_wait(bars.k_ready.at[slot])
   plgpu.barrier_wait(bars.v_ready.at[slot])
   plgpu.barrier_arrive(bars.k_consumed.at[slot])
   plgpu.barrier_arrive(bars.v_consumed.at[slot])
+
+
+def _release_step(step, _, *, refs, bars, opts, ring0, bias_s):
+  """A block streamed for the other warpgroup only (masks): free its slots, and keep the
+  plain loop's beat (two schedule phases per block)."""
+  slot = pipeline.slot_of(ring0 + step, opts.config.num_stages)
+  common.key_ids(_ids_stream(bars, refs), slot, load=False)
+  if bias_s is not None:  # Sparse: only a block the CTA does not see in full has a tile.
+    pipeline.release(bias_s, step, opts.config.num_stages)
+  _free_kv_slot(bars, slot)
   bars.sync_schedule()
   bars.sync_schedule()
 
@@ -210,24 +216,24 @@ def _cta_kv_blocks(tile: scheduler.Tile, refs: _Refs, dims: common.Dims, opts: F
   return _kv_blocks(tile, tile.row0, opts.config.rows_per_cta, refs, dims, opts)
 
 
-def _warpgroup_blocks(wg, tile: scheduler.Tile, refs: _Refs, dims, opts: ForwardOptions):
-  """A compute warpgroup's first row, the keys of its batch element, the KV blocks its CTA
-  streams for the tile and its own part of them."""
+def _warpgroup_blocks(wg, tile: scheduler.Tile, cta: masking.BlockRange, refs: _Refs, dims,
+                      opts: ForwardOptions):
+  """A compute warpgroup's first row, the keys of its batch element and its own part of the
+  KV blocks its CTA streams for the tile (`cta`)."""
   q0 = tile.row0 + wg * opts.config.block_q
   seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
-  cta = _cta_kv_blocks(tile, refs, dims, opts)
   own = _kv_blocks(tile, q0, opts.config.block_q, refs, dims, opts).within(cta)
-  return q0, seq_kv, cta, own
+  return q0, seq_kv, own
 
 
-def _attend(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
+def _attend(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring, q_ids, refs: _Refs,
             bars: pipeline.Barriers, dims, opts):
   """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state.
 
   The CTA streams blocks [cta.first, cta.end); this warpgroup computes on its own part of
   them and releases the rest, so that both warpgroups keep the same beat on the ring."""
   cfg = opts.config
-  q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
+  q0, seq_kv, own = _warpgroup_blocks(wg, tile, cta, refs, dims, opts)
   if opts.bias:  # Its unmasked blocks are ones the producer streams no bias tile for.
     own = own.full_within(cta)
   ring0 = ring.kv - cta.first  # Ring position of block 0.
@@ -277,12 +283,12 @@ def _diagonal_first(opts: ForwardOptions) -> bool:
           and cfg.block_kv % cfg.block_q == 0)
 
 
-def _attend_tile(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
-                 bars: pipeline.Barriers, dims, opts):
+def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring, q_ids,
+                 refs: _Refs, bars: pipeline.Barriers, dims, opts):
   """The kv_loop of one warpgroup over one tile, overlapped or plain (see `_overlaps`). Both
-  warpgroups choose alike: from their CTA's blocks."""
-  overlapped = lambda: _attend_overlapped(wg, tile, ring, refs, bars, dims, opts)
-  plain = lambda: _attend(wg, tile, ring, q_ids, refs, bars, dims, opts)
+  warpgroups choose alike: from their CTA's blocks, `cta`."""
+  overlapped = lambda: _attend_overlapped(wg, tile, cta, ring, refs, bars, dims, opts)
+  plain = lambda: _attend(wg, tile, cta, ring, q_ids, refs, bars, dims, opts)
   if not _overlaps(opts):
     return plain()
   if not opts.bias:
@@ -297,7 +303,6 @@ def _attend_tile(wg, tile: scheduler.Tile, ring: _Ring, q_ids, refs: _Refs,
     result = plain()
     pl.when(wg == 0)(bars.sync_schedule)
     return result
-  cta = _cta_kv_blocks(tile, refs, dims, opts)
   in_full = (cta.first < cta.end) & (cta.full_lo == cta.first) & (cta.full_hi == cta.end)
   return lax.cond(in_full, overlapped, plain_tile)
 
@@ -370,20 +375,17 @@ def _stream_order(blocks: masking.BlockRange, opts: ForwardOptions):
   return lambda i: blocks.first + i
 
 
-def _release_turn(i, _, *, refs, bars, ring0, wg, opts):
+def _release_turn(i, _, *, bars, ring0, wg, opts):
   """`_diagonal_first`'s block streamed for the other warpgroup only (its diagonal block,
   where that lies above this warpgroup's): free the slot and pass a turn, so that both
   warpgroups take as many turns per tile."""
-  slot = pipeline.slot_of(ring0 + i, opts.config.num_stages)
-  for ready, consumed in ((bars.k_ready, bars.k_consumed), (bars.v_ready, bars.v_consumed)):
-    plgpu.barrier_wait(ready.at[slot])
-    plgpu.barrier_arrive(consumed.at[slot])
+  _free_kv_slot(bars, pipeline.slot_of(ring0 + i, opts.config.num_stages))
   bars.take_turn(wg)
   bars.pass_turn(wg)
 
 
-def _attend_overlapped(wg, tile: scheduler.Tile, ring: _Ring, refs: _Refs,
-                       bars: pipeline.Barriers, dims, opts):
+def _attend_overlapped(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring,
+                       refs: _Refs, bars: pipeline.Barriers, dims, opts):
   """`_attend` with FA3's intra-warpgroup overlap, for tiles whose blocks are all unmasked
   (`_overlaps`, `_attend_tile`), or whose one masked block per warpgroup goes first
   (`_diagonal_first`): the first block's softmax, then per block its S beside the previous
@@ -391,7 +393,7 @@ def _attend_overlapped(wg, tile: scheduler.Tile, ring: _Ring, refs: _Refs,
   (`Barriers.turn`): one turn per streamed block and one per tile (the last PV). The tile
   streams no bias tile (every block is fully visible), so the bias stream is not touched."""
   cfg = opts.config
-  q0, seq_kv, cta, own = _warpgroup_blocks(wg, tile, refs, dims, opts)
+  q0, seq_kv, own = _warpgroup_blocks(wg, tile, cta, refs, dims, opts)
   skip = 0  # Blocks streamed first for the other warpgroup only.
   if _diagonal_first(opts):  # Every row sees key 0: the blocks above its diagonal differ.
     skip = cta.end - own.end
@@ -401,7 +403,8 @@ def _attend_overlapped(wg, tile: scheduler.Tile, ring: _Ring, refs: _Refs,
   at = dict(refs=refs, bars=bars, ring0=ring.kv, wg=wg)
   block_of = _stream_order(cta, opts)
   p_staging = None if refs.p_staging is None else refs.p_staging.at[wg]
-  common.fori(0, skip, functools.partial(_release_turn, opts=opts, **at), None)
+  common.fori(0, skip, functools.partial(_release_turn, bars=bars, ring0=ring.kv, wg=wg,
+                                         opts=opts), None)
   acc = common.zeros_accumulator((cfg.block_q, dims.head_dim))
   state, p16, alpha = _overlap_first(skip, block_of=block_of, q_smem=refs.q_smem.at[wg],
                                      **at, **kw)
@@ -455,7 +458,8 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
         pl.when(i + 1 < num_items),
         lambda: _load_q(wg, sched.tile(cta, i + 1), refs, bars, cfg.block_q))
     q_ids = _wait_q(wg, refs, bars)
-    acc, state = _attend_tile(wg, tile, ring, q_ids, refs, bars, dims, opts)
+    cta_blocks = _cta_kv_blocks(tile, refs, dims, opts)  # What the producer streams.
+    acc, state = _attend_tile(wg, tile, cta_blocks, ring, q_ids, refs, bars, dims, opts)
     if separate_o:  # Q is free now: fetch the next tile's under this epilogue.
       load_next_q()
     out, lse = softmax.finalize(state, acc)
@@ -463,7 +467,7 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     if not separate_o:  # O went out through Q's buffer: wait until TMA has read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_next_q()
-    return ring.after(_cta_kv_blocks(tile, refs, dims, opts))
+    return ring.after(cta_blocks)
 
   lax.fori_loop(0, num_items, tile_body, _Ring.start(opts))
   if _overlaps(opts):  # Observe the turn warpgroup 1 passed last, so no phase goes unseen.
