@@ -82,6 +82,25 @@ def test_a_warpgroup_range_within_its_cta_range_stays_inside(spec, row0, seq_kv)
       assert (clipped.first, clipped.end) == (o.first, o.end)
 
 
+@settings(max_examples=300, deadline=None)
+@given(spec=specs(), q0=st.integers(0, 600), rows=st.sampled_from([64, 128]),
+       seq_kv=st.integers(1, 700), block_kv=st.sampled_from([64, 128, 256]))
+def test_key_end_is_dropped_only_when_no_visited_key_lies_past_it(spec, q0, rows, seq_kv,
+                                                                   block_kv):
+  end = masking.key_end_to_mask(seq_kv, block_kv)
+  assert end is None or end == seq_kv
+  if end is None:  # Every key of every block the rows visit is one of the S keys.
+    r = _as_ints(masking.kv_block_range(spec, q0, rows, seq_kv, block_kv))
+    assert r.end * block_kv <= seq_kv
+  assert (end is None) == (seq_kv % block_kv == 0)
+
+
+def test_key_end_is_kept_for_traced_key_lengths():
+  seen = []
+  jax.jit(lambda n: seen.append(masking.key_end_to_mask(n, 128)) or n)(256)
+  assert isinstance(seen[0], jax.core.Tracer)
+
+
 def test_empty_rows():
   spec = masking.MaskSpec(is_causal=True, offset=-3)  # bottom-right, T = S + 3
   assert masking.empty_rows(spec, 5, 2).tolist() == [True, True, True, False, False]

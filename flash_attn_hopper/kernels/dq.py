@@ -89,7 +89,8 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
     s, cap_grad = opts.logits.transform(s, bias)
     k_ids = common.key_ids(ids_s, slot, load=masked)
     if masked:
-      s = masking.apply_element_mask(s, q0, step * cfg.block_kv, seq_kv, opts.mask,
+      s = masking.apply_element_mask(s, q0, step * cfg.block_kv,
+                                     masking.key_end_to_mask(seq_kv, cfg.block_kv), opts.mask,
                                      segments=None if k_ids is None else (q_ids, k_ids))
     return softmax.recompute(s, lse, opts.logits.exp2_scale), cap_grad
 

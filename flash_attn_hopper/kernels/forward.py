@@ -125,7 +125,9 @@ def _online_softmax(s, state, step, *, opts, q0, seq_kv, masked, bias=None, segm
   given), then `softmax.update`: returns (state, p, α), the row sum not yet added."""
   s, _ = opts.logits.transform(s, bias)
   if masked:
-    s = masking.apply_element_mask(s, q0, step * opts.config.block_kv, seq_kv, opts.mask,
+    block_kv = opts.config.block_kv
+    s = masking.apply_element_mask(s, q0, step * block_kv,
+                                   masking.key_end_to_mask(seq_kv, block_kv), opts.mask,
                                    segments=segments)
   return softmax.update(state, s, opts.logits.exp2_scale)
 
