@@ -325,19 +325,30 @@ def kv_block_range(spec: MaskSpec, q0, rows: int, seq_kv: int, block_kv: int) ->
 
 
 def q_block_range(spec: MaskSpec, k0, keys: int, seq_q: int, block_q: int) -> BlockRange:
-  """The Q blocks that see any of the keys [k0, k0 + keys) (for the dK/dV kernel). Its
-  `full_*` are not computed: the dK/dV kernel masks every block of a banded spec."""
+  """The Q blocks that see any of the keys [k0, k0 + keys) (for the dK/dV kernels), and
+  [full_lo, full_hi) of them, whose every query sees every one of those keys (no element
+  mask; queries past seq_q count as seeing them, their rows add nothing).
+
+  Query i sees key j when j − upper ≤ i + offset ≤ j + left, so it sees all of the keys when
+  k0 + keys − 1 − upper ≤ i + offset ≤ k0 + left: a block from its first query on the
+  upper side, up to its last on the left."""
   if not spec.banded:
-    return BlockRange(0, 0, 0, _cdiv(seq_q, block_q))
-  # Query i sees key j when j − upper ≤ i + offset ≤ j + left.
+    end = _cdiv(seq_q, block_q)
+    return BlockRange(0, 0, end, end)
   lo, hi = 0, seq_q
+  full_lo, full_hi = 0, seq_q  # in queries, then in blocks
   if spec.upper is not None:
     lo = jnp.maximum(k0 - spec.upper - spec.offset, 0)
+    full_lo = jnp.maximum(k0 + keys - 1 - spec.upper - spec.offset, 0)
   if spec.left is not None:
     hi = jnp.clip(k0 + keys - 1 + spec.left - spec.offset + 1, 0, seq_q)
+    full_hi = k0 + spec.left - spec.offset + 1
   first = lo // block_q
   end = jnp.where(hi > lo, _cdiv(hi, block_q), first)
-  return BlockRange(first, first, first, end)
+  full_lo = jnp.clip(_cdiv(full_lo, block_q), first, end)
+  full_hi = jnp.clip(jnp.floor_divide(full_hi, block_q) if spec.left is not None else end,
+                     full_lo, end)
+  return BlockRange(first, full_lo, full_hi, end)
 
 
 def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int, kv_lens=None):

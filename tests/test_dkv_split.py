@@ -248,7 +248,8 @@ def test_block_ranges_cover_the_band_and_mask_every_edge(spec):
   of them, so they may go unmasked."""
   seq_q, block_q = 400, 64
   for key0 in range(0, 512, dkv_split.BLOCK_KV):
-    b = [int(x) for x in dkv_split._band_q_blocks(spec, jnp.int32(key0), seq_q, block_q)]
+    b = [int(x) for x in masking.q_block_range(spec, jnp.int32(key0), dkv_split.BLOCK_KV,
+                                               seq_q, block_q)]
     assert b[0] <= b[1] <= b[2] <= b[3]
     any_visible, all_visible = _brute_force_blocks(spec, key0, seq_q, block_q)
     outside = np.ones_like(any_visible)

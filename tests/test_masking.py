@@ -59,12 +59,17 @@ def test_q_block_range_visits_every_query_block_that_sees_the_keys(spec, k0, seq
   r = _as_ints(masking.q_block_range(spec, k0, keys, seq_q, block_q))
   num_blocks = -(-seq_q // block_q)
   vis = _visible(spec, np.arange(num_blocks * block_q), np.arange(k0, k0 + keys), 10**6)
+  blocks = lambda v: v.reshape(num_blocks, block_q, keys)
+  # Queries past seq_q add nothing: they count as hidden for `first`/`end`, as seeing every
+  # key for the unmasked run.
+  all_visible = blocks(np.where(np.arange(num_blocks * block_q)[:, None] < seq_q, vis, True))
   vis[seq_q:] = False
-  any_visible = vis.reshape(num_blocks, block_q, keys).any(axis=(1, 2))
+  any_visible = blocks(vis).any(axis=(1, 2))
   visited = np.zeros(num_blocks, bool)
   visited[r.first:r.end] = True
   assert not np.any(any_visible & ~visited)
-  assert r.first <= r.end
+  assert r.first <= r.full_lo <= r.full_hi <= r.end
+  assert np.all(all_visible.all(axis=(1, 2))[r.full_lo:r.full_hi]), "an unmasked block hides a key"
 
 
 @settings(max_examples=200, deadline=None)
@@ -91,7 +96,7 @@ def test_key_end_is_dropped_only_when_no_visited_key_lies_past_it(spec, q0, rows
   assert end is None or end == seq_kv
   if end is None:  # Every key of every block the rows visit is one of the S keys.
     r = _as_ints(masking.kv_block_range(spec, q0, rows, seq_kv, block_kv))
-    assert r.end * block_kv <= seq_kv
+    assert r.end <= r.first or r.end * block_kv <= seq_kv  # (an empty range visits none)
   assert (end is None) == (seq_kv % block_kv == 0)
 
 

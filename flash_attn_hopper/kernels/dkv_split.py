@@ -22,7 +22,7 @@ to two steps ahead. With a logits soft-cap, dSᵀ also takes the cap's derivativ
 warpgroup 0 has (it holds Sᵀ): it hands over Pᵀ times that derivative instead of Pᵀ.
 
 Masks: the query blocks a key block meets come from the band (`masking.q_block_range`, with
-the blocks that need no element mask computed here), narrowed by the segments' spans; element
+the blocks that need no element mask), narrowed by the segments' spans; element
 masks run on the edge blocks only, and with key lengths on every block of the one key block
 that straddles its batch element's length (a block past it runs no step: dK = dV = 0). Keys
 past S and queries past T need no mask: TMA zero-fills their rows, δ is padded with zeros,
@@ -186,25 +186,6 @@ def check_config(cfg: config_lib.BackwardConfig, head_dim: int, itemsize: int,
         f"BackwardConfig.block_q or BackwardConfig.num_stages")
 
 
-def _band_q_blocks(spec: masking.MaskSpec, key0, seq_q: int,
-                   block_q: int) -> masking.BlockRange:
-  """The query blocks that see any of the keys [key0, key0 + BLOCK_KV)
-  (`masking.q_block_range`), with those that see all of them, which need no element mask.
-
-  Query i sees every one of those keys when key0 + BLOCK_KV − 1 − upper ≤ i + offset ≤
-  key0 + left: a block from its first query on the upper side, up to its last on the left."""
-  blocks = masking.q_block_range(spec, key0, BLOCK_KV, seq_q, block_q)
-  if not spec.banded:
-    return masking.BlockRange(blocks.first, blocks.first, blocks.end, blocks.end)
-  full_lo, full_hi = blocks.first, blocks.end
-  if spec.upper is not None:  # ceil((key0 + BLOCK_KV − 1 − upper − offset) / block_q)
-    full_lo = (key0 + BLOCK_KV - 1 - spec.upper - spec.offset + block_q - 1) // block_q
-  if spec.left is not None:   # floor((key0 + left − offset + 1) / block_q)
-    full_hi = (key0 + spec.left - spec.offset + 1) // block_q
-  full_lo = jnp.clip(full_lo, blocks.first, blocks.end)
-  return blocks._replace(full_lo=full_lo, full_hi=jnp.clip(full_hi, full_lo, blocks.end))
-
-
 def _may_mask(opts) -> bool:
   """Whether any step may need an element mask (else warpgroup 0 emits none)."""
   return opts.mask.banded or opts.kv_lens or opts.segments or bool(opts.bias)
@@ -215,7 +196,7 @@ def _tile(masks: common.MaskInputs, dims: common.Dims, opts) -> _Tile:
   batch = lax.axis_index("batch")
   key0 = lax.axis_index("kv_tile") * BLOCK_KV
   seq_kv = common.keys_of(batch, masks.kv_lens, dims)
-  blocks = _band_q_blocks(opts.mask, key0, dims.seq_q, cfg.block_q)
+  blocks = masking.q_block_range(opts.mask, key0, BLOCK_KV, dims.seq_q, cfg.block_q)
   kv_head = lax.axis_index("kv_head")
   if opts.segments:  # Only the query blocks that share a segment with the keys.
     blocks = blocks.intersect(masking.BlockRange.read(masks.spans, batch, key0 // BLOCK_KV))
