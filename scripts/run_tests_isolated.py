@@ -3,7 +3,7 @@
 A kernel that deadlocks hangs its process inside the driver, where pytest's own timeout cannot
 reach it, and it slows every other process that shares the GPU. One process per test bounds
 the damage to that test, names it, and lets the rest finish. A test that runs out of its
-share of GPU memory runs again at the end, alone:
+share of GPU memory is printed as RETRY and runs again at the end, alone:
 
     python3 scripts/run_tests_isolated.py --jobs 8 --timeout 120 --log OUT/gpu_tests.log \
         [--skip-passed OLD_LOG] [pytest selection ...]
@@ -56,6 +56,11 @@ def _run_one(test_id: str, timeout: float, mem_fraction: float) -> tuple[str, st
   return test_id, status, time.monotonic() - start, output
 
 
+def _out_of_memory(status: str, output: str) -> bool:
+  """A failure from running out of this process's slice of GPU memory (run again alone)."""
+  return status == "FAILED" and "RESOURCE_EXHAUSTED" in output
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--jobs", type=int, default=8)
@@ -80,14 +85,17 @@ def main() -> int:
         return test_id, "NOT RUN", 0.0, ""
       return _run_one(test_id, min(args.timeout, left), 0.9 / args.jobs)
     for test_id, status, seconds, output in pool.map(guarded, tests):
-      line = f"{status:8s} {seconds:6.1f}s {test_id}"
-      print(line, flush=True)
+      if _out_of_memory(status, output):  # Not a verdict yet: see below.
+        print(f"{'RETRY':8s} {seconds:6.1f}s {test_id} (out of its share of GPU memory; "
+              "runs again alone at the end)", flush=True)
+      else:
+        print(f"{status:8s} {seconds:6.1f}s {test_id}", flush=True)
       results.append((test_id, status, seconds, output))
 
   # A test that ran out of its slice of GPU memory runs again at the end, alone, with all of it.
   for n, (test_id, status, _, output) in enumerate(results):
     left = args.timeout if deadline is None else deadline - time.monotonic()
-    if status == "FAILED" and "RESOURCE_EXHAUSTED" in output and left > 0:
+    if _out_of_memory(status, output) and left > 0:
       results[n] = _run_one(test_id, min(args.timeout, left), 0.9)
       print(f"{results[n][1]:8s} {results[n][2]:6.1f}s {test_id} (again, alone)", flush=True)
 
