@@ -335,8 +335,8 @@ def q_block_range(spec: MaskSpec, k0, keys: int, seq_q: int, block_q: int) -> Bl
   if not spec.banded:
     end = _cdiv(seq_q, block_q)
     return BlockRange(0, 0, end, end)
-  lo, hi = 0, seq_q
-  full_lo, full_hi = 0, seq_q  # in queries, then in blocks
+  # Queries [lo, hi) see some of the keys; from full_lo on (up to full_hi), all of them.
+  lo, hi, full_lo, full_hi = 0, seq_q, 0, seq_q
   if spec.upper is not None:
     lo = jnp.maximum(k0 - spec.upper - spec.offset, 0)
     full_lo = jnp.maximum(k0 + keys - 1 - spec.upper - spec.offset, 0)
@@ -346,9 +346,10 @@ def q_block_range(spec: MaskSpec, k0, keys: int, seq_q: int, block_q: int) -> Bl
   first = lo // block_q
   end = jnp.where(hi > lo, _cdiv(hi, block_q), first)
   full_lo = jnp.clip(_cdiv(full_lo, block_q), first, end)
-  full_hi = jnp.clip(jnp.floor_divide(full_hi, block_q) if spec.left is not None else end,
-                     full_lo, end)
-  return BlockRange(first, full_lo, full_hi, end)
+  # Without a left edge, every block from full_lo to the end is full (queries past T count
+  # as seeing the keys); with one, up to the last block whose last query sees them all.
+  full_hi = end if spec.left is None else full_hi // block_q
+  return BlockRange(first, full_lo, jnp.clip(full_hi, full_lo, end), end)
 
 
 def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int, kv_lens=None):
