@@ -352,6 +352,15 @@ def q_block_range(spec: MaskSpec, k0, keys: int, seq_q: int, block_q: int) -> Bl
   return BlockRange(first, full_lo, jnp.clip(full_hi, full_lo, end), end)
 
 
+def key_length_q_blocks(k0, keys: int, seq_kv, end) -> BlockRange:
+  """For the dK/dV kernels with per-batch key lengths (`seq_kv`, traced): the query blocks
+  [0, end) that the keys [k0, k0 + keys) meet, all of them full when the keys lie within the
+  length, none full when they straddle it (the length's compare on every step), and none at
+  all when they start past it (dK = dV = 0). Intersect it with the band's range."""
+  return BlockRange(0, 0, jnp.where(k0 + keys <= seq_kv, end, 0),
+                    jnp.where(k0 < seq_kv, end, 0))
+
+
 def empty_rows(spec: MaskSpec, seq_q: int, seq_kv: int, kv_lens=None):
   """The queries that see no key at all, in O(T): a (T,) numpy bool array, or with `kv_lens`
   ((B,) keys per batch element, traced) a (B, T) jax array."""

@@ -72,6 +72,30 @@ def test_q_block_range_visits_every_query_block_that_sees_the_keys(spec, k0, seq
   assert np.all(all_visible.all(axis=(1, 2))[r.full_lo:r.full_hi]), "an unmasked block hides a key"
 
 
+@settings(max_examples=300, deadline=None)
+@given(spec=specs(), k0=st.integers(0, 600), seq_q=st.integers(1, 700),
+       seq_kv=st.integers(0, 800), block_q=st.sampled_from([64, 128]))
+def test_key_lengths_leave_unmasked_only_blocks_that_see_every_key(spec, k0, seq_q, seq_kv,
+                                                                   block_q):
+  """The dK/dV kernel's query blocks under key lengths (`key_length_q_blocks` intersected
+  with the band's): none past the length, and an unmasked block sees all the tile's keys."""
+  keys = 128
+  band = masking.q_block_range(spec, k0, keys, seq_q, block_q)
+  r = _as_ints(band.intersect(masking.key_length_q_blocks(k0, keys, seq_kv, band.end)))
+  num_blocks = -(-seq_q // block_q)
+  vis = _visible(spec, np.arange(num_blocks * block_q), np.arange(k0, k0 + keys), seq_kv)
+  real = np.arange(num_blocks * block_q)[:, None] < seq_q  # Padded queries add nothing.
+  all_visible = np.where(real, vis, True).reshape(num_blocks, block_q, keys).all(axis=(1, 2))
+  any_visible = (vis & real).reshape(num_blocks, block_q, keys).any(axis=(1, 2))
+  assert r.first <= r.full_lo <= r.full_hi <= r.end
+  visited = np.zeros(num_blocks, bool)
+  visited[r.first:r.end] = True
+  assert not np.any(any_visible & ~visited), "a block with a visible key is skipped"
+  if k0 >= seq_kv:
+    assert r.end == r.first, "a tile past the keys runs a step"
+  assert np.all(all_visible[r.full_lo:r.full_hi]), "an unmasked block hides a masked key"
+
+
 @settings(max_examples=200, deadline=None)
 @given(spec=specs(), row0=st.integers(0, 600), seq_kv=st.integers(1, 700))
 def test_a_warpgroup_range_within_its_cta_range_stays_inside(spec, row0, seq_kv):

@@ -53,13 +53,15 @@ def test_forward_and_gradients_match_reference(rng, t, s, is_causal, window, ali
 
 @pytest.mark.parametrize("is_causal, window", [(False, None), (True, (40, 0))])
 def test_sequence_lengths_match_reference(rng, is_causal, window):
-  # Three batch elements: a short one, one with no keys at all, one at full length.
+  # Three batch elements: a short one, one with no keys at all, one at full length. The
+  # short one's first dK/dV tile (128 keys) lies within its length, unmasked; the next
+  # straddles it, masked on every step.
   w = workloads.Workload("lens", batch=3, seq_q=150, seq_kv=200, num_q_heads=2,
                          num_kv_heads=1, head_dim=64)
   q, k, v = testing.random_qkv(rng, w, "float16")
   kw = dict(is_causal=is_causal, local_window_size=window,
             query_seq_lengths=jnp.array([70, 150, 1], jnp.int32),
-            key_value_seq_lengths=jnp.array([90, 0, 200], jnp.int32))
+            key_value_seq_lengths=jnp.array([150, 0, 200], jnp.int32))
   # Rows past a query's length see no key, as in jax.nn: LSE −inf (the op sets it).
   _check_forward_and_gradients(rng, q, k, v, CONFIG, **kw)
 

@@ -16,12 +16,14 @@ streams Q, dO, the LSE and δ of every query block of every query head in the KV
 dV and dK are issued together. Up to OVERLAP_PRODUCTS_MAX_HEAD_DIM, Sᵀ and dPᵀ are too, and
 Pᵀ is computed while the tensor cores run dPᵀ.
 
-A band alone masks the query blocks on its edges only (`masking.q_block_range`: those whose
-every query sees all the CTA's keys run unmasked). With key lengths, segment ids or a bias
-beside it, every step is masked (the keys' ids load with K and V, the queries' ids stream
-with Q), and with segment ids the query blocks that share no segment with the tile are
-skipped. Keys past S and queries past T need no mask: TMA zero-fills their K/V (Q/dO) rows,
-δ is padded with zeros, so they add nothing, and the rows past S are clipped on store.
+A band masks only the query blocks on its edges (`masking.q_block_range`: those whose every
+query sees all the CTA's keys run unmasked), and key lengths only the tile whose keys
+straddle the batch element's length, on every step (`masking.key_length_q_blocks`); a tile
+past it runs no step (dK = dV = 0). With segment ids or a bias, every step is masked (the keys'
+ids load with K and V, the queries' ids stream with Q), and with segment ids the query
+blocks that share no segment with the tile are skipped. Keys past S and queries past T
+need no mask: TMA zero-fills their K/V (Q/dO) rows, δ is padded with zeros, so they add
+nothing, and the rows past S are clipped on store.
 """
 
 from __future__ import annotations
@@ -86,17 +88,21 @@ class _Tile(NamedTuple):
   q_block0: jax.Array  # the first query block that sees any of its keys
   steps_per_head: jax.Array
   seq_kv: jax.Array | int  # the batch element's keys (`key_value_seq_lengths`)
-  band: masking.BlockRange  # the band's query blocks, [full_lo, full_hi) seeing every key
+  band: masking.BlockRange  # query blocks of the band and lengths; [full_lo, full_hi) unmasked
 
 
 def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   key0 = lax.axis_index("kv_tile") * wgs * cfg.block_kv
-  band = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
-  blocks = band
   batch = lax.axis_index("batch")
   kv_head = lax.axis_index("kv_head")
+  seq_kv = common.keys_of(batch, masks.kv_lens, dims)
+  band = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
+  if opts.kv_lens:  # No step past the keys; every step masked where they straddle them.
+    band = band.intersect(
+        masking.key_length_q_blocks(key0, wgs * cfg.block_kv, seq_kv, band.end))
+  blocks = band
   if opts.segments:  # Only the query blocks that share a segment with the keys.
     spans = [masking.BlockRange.read(masks.spans, batch, key0 // cfg.block_kv + i)
              for i in range(wgs)]
@@ -105,10 +111,7 @@ def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOpti
     heads = range(dims.group) if opts.bias[1] else range(1)
     blocks = blocks.intersect(functools.reduce(masking.BlockRange.union, [
         _bias_q_blocks(masks, opts, batch, kv_head * dims.group + g, key0) for g in heads]))
-  seq_kv = common.keys_of(batch, masks.kv_lens, dims)
   steps = blocks.end - blocks.first
-  if opts.kv_lens:  # A tile past the batch element's keys runs no step: dK = dV = 0.
-    steps = jnp.where(key0 < seq_kv, steps, 0)
   return _Tile(batch=batch, kv_head=kv_head, key0=key0,
                q_block0=jnp.int32(blocks.first), steps_per_head=steps, seq_kv=seq_kv,
                band=band)
@@ -149,19 +152,19 @@ def step_rows(step, tile: _Tile, dims, cfg):
   return head, (tile.q_block0 + j) * cfg.block_q
 
 
-def _band_edges_only(opts) -> bool:
-  """Whether only the band's edge blocks take an element mask: a band with no key lengths,
-  segment ids or bias beside it (those mask every step). Measured on the H200 in the
-  fifteenth session (bench/NOTES.md)."""
-  return opts.mask.banded and not (opts.kv_lens or opts.segments or opts.bias)
+def _edges_only(opts) -> bool:
+  """Whether only the edge blocks of `_Tile.band` take an element mask: a band or key
+  lengths, with no segment ids or bias beside them (those mask every step). Measured on the
+  H200 in the fifteenth session (the band) and the sixteenth (key lengths; bench/NOTES.md)."""
+  return (opts.mask.banded or opts.kv_lens) and not (opts.segments or opts.bias)
 
 
 def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
             masked: bool):
   """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None).
   With a bias, `masked` says whether the producer streamed a tile for it (`_free_blocks`),
-  and element masks (band, lengths, segments) run on every step; under
-  `_band_edges_only`, it says whether the block is on the band's edge (element-masked)."""
+  and element masks (band, lengths, segments) run on every step; under `_edges_only`, it
+  says whether the block is on an edge of `_Tile.band` (element-masked)."""
   dk, dv = carry
   cfg = opts.config
   slot = pipeline.slot_of(step, cfg.num_stages)
@@ -187,8 +190,8 @@ def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
     if opts.segments:
       segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
       pipeline.free_after_loads(ids_s.consumed.at[slot])
-    band_edge = masked or not _band_edges_only(opts)
-    if (opts.mask.banded and band_edge) or opts.kv_lens or opts.segments:
+    element_masked = masked or not _edges_only(opts)
+    if element_masked and (opts.mask.banded or opts.kv_lens or opts.segments):
       _, q0 = step_rows(step, tile, dims, cfg)
       key0 = tile.key0 + wg * cfg.block_kv
       seq_kv = tile.seq_kv if opts.kv_lens else None
@@ -257,7 +260,7 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
   blocks_of = None  # Every step alike.
   if opts.bias:
     blocks_of = lambda g: _free_blocks(tile, refs.masks, dims, opts, g)  # No bias tile read.
-  elif _band_edges_only(opts):
+  elif _edges_only(opts):
     blocks_of = lambda g: tile.band  # The same blocks for every query head.
   dk, dv = common.walk_head_runs(dims.group, tile.steps_per_head, blocks_of, step,
                                  (zeros, zeros))

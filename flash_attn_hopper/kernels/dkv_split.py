@@ -206,13 +206,8 @@ def _tile(masks: common.MaskInputs, dims: common.Dims, opts) -> _Tile:
         _mask_blocks(masks, opts, batch, kv_head * dims.group + g, key0) for g in heads])
     # First and end only: which blocks it leaves wholly visible is per head (`_head_blocks`).
     blocks = blocks.intersect(masking.BlockRange(seen.first, seen.first, seen.end, seen.end))
-  if opts.kv_lens:
-    # A key block past the batch element's keys runs no step (dK = dV = 0); one that
-    # straddles them masks every step.
-    n = blocks.end
-    lengths = masking.BlockRange(0, 0, jnp.where(key0 + BLOCK_KV <= seq_kv, n, 0),
-                                 jnp.where(key0 < seq_kv, n, 0))
-    blocks = blocks.intersect(lengths)
+  if opts.kv_lens:  # Masked only where the key block straddles the length.
+    blocks = blocks.intersect(masking.key_length_q_blocks(key0, BLOCK_KV, seq_kv, blocks.end))
   return _Tile(batch=batch, kv_head=kv_head, key0=key0, blocks=blocks,
                q_block0=blocks.first, steps_per_head=blocks.end - blocks.first, seq_kv=seq_kv)
 
