@@ -120,14 +120,33 @@ def test_overlapped_softmax_diagonal_first(rng, block_kv, seq_q, seq_kv, alignme
   testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
 
 
+# Without a band, the keys' end (key lengths, or S not a whole number of blocks) is a tile's
+# one masked block, and the overlapped loop takes its last block first
+# (`forward._key_end_first`). Lengths: one inside a block, one on a block's end, and none at
+# all (that batch element's tiles stream no block and take the plain loop).
+@pytest.mark.parametrize("seq_kv, lengths", [(448, (201, 128, 0)), (450, None)])
+def test_overlapped_softmax_key_end_first(rng, seq_kv, lengths):
+  w = workloads.Workload("overlap_keys", batch=3, seq_q=300, seq_kv=seq_kv, num_q_heads=2,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True)
+  kw = {} if lengths is None else dict(key_value_seq_lengths=jnp.array(lengths, jnp.int32))
+  out, lse = fah.dot_product_attention(q, k, v, interpret=True, config=cfg,
+                                       return_residual=True, **kw)
+  testing.check_attention(out, q, k, v, actual_lse=lse, **kw)
+
+
 @pytest.mark.parametrize("kw, overlaps", [
     (dict(seq_kv=448), True),
     (dict(seq_kv=448, is_causal=True), True),  # The diagonal block first.
     (dict(seq_kv=448, is_causal=True, causal_alignment="bottom_right"), False),  # 148 off
     (dict(seq_kv=448, is_causal=True, bias=(False, False)), False),
     (dict(seq_kv=448, local_window_size=(300, 300)), False),
-    (dict(seq_kv=448, kv_lens=True), False),
-    (dict(seq_kv=450), False),
+    (dict(seq_kv=448, kv_lens=True), True),  # The block with the keys' end first.
+    (dict(seq_kv=450), True),
+    (dict(seq_kv=448, kv_lens=True, is_causal=True), False),  # Two masked blocks.
+    (dict(seq_kv=450, is_causal=True), False),
+    (dict(seq_kv=448, kv_lens=True, bias=(False, False)), False),
     (dict(seq_kv=448, segments=True), False),
     (dict(seq_kv=448, bias=(False, False)), True),  # Beside the plain loop, tile by tile.
 ])

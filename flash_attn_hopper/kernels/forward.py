@@ -261,15 +261,34 @@ def _overlaps(opts: ForwardOptions) -> bool:
   """Whether the kernel has FA3's intra-warpgroup overlap (`_attend_overlapped`): when the
   config asks for it and no block needs an element mask (no band, key lengths or segment
   ids, and S a whole number of blocks), so that every warpgroup visits every block of its
-  CTA unmasked; or, causal, when each warpgroup's one masked block can go first
-  (`_diagonal_first`). Masked blocks in the overlapped steps measured slower than the plain
-  loop on the H200 (see `config.TUNED_FORWARD`), so other bands keep the plain loop: with a
-  bias (a mask), a tile takes the overlap when its CTA sees every block in full, else the
-  plain loop (`_attend_tile`)."""
+  CTA unmasked; or when each warpgroup's one masked block can go first (`_last_first`):
+  causal's diagonal block, or without a band the block that holds the keys' end. Masked
+  blocks in the overlapped steps measured slower than the plain loop on the H200 (see
+  `config.TUNED_FORWARD`), so other bands keep the plain loop: with a bias (a mask), a tile
+  takes the overlap when its CTA sees every block in full, else the plain loop
+  (`_attend_tile`)."""
   cfg = opts.config
-  return (cfg.overlap_softmax and not opts.segments and not opts.kv_lens
-          and (not opts.mask.banded or _diagonal_first(opts))
-          and (opts.seq_kv is None or opts.seq_kv % cfg.block_kv == 0))
+  if not cfg.overlap_softmax or opts.segments:
+    return False
+  if opts.kv_lens or (opts.seq_kv is not None and opts.seq_kv % cfg.block_kv):
+    return _key_end_first(opts)
+  return not opts.mask.banded or _diagonal_first(opts)
+
+
+def _last_first(opts: ForwardOptions) -> bool:
+  """Whether the overlapped kv_loop walks a tile's blocks from the last down (FA3's order),
+  so that the one block each warpgroup masks comes first, where no PV is in flight."""
+  return _diagonal_first(opts) or _key_end_first(opts)
+
+
+def _key_end_first(opts: ForwardOptions) -> bool:
+  """Whether the only element mask is the keys' end (key lengths, or S not a whole number
+  of blocks; no band, segment ids or bias): it falls on a tile's last block, which the
+  overlapped loop then takes first."""
+  cfg = opts.config
+  ragged = opts.seq_kv is not None and opts.seq_kv % cfg.block_kv != 0
+  return ((opts.kv_lens or ragged) and not opts.mask.banded and not opts.segments
+          and not opts.bias)
 
 
 def _diagonal_first(opts: ForwardOptions) -> bool:
@@ -293,7 +312,12 @@ def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring,
   plain = lambda: _attend(wg, tile, cta, ring, q_ids, refs, bars, dims, opts)
   if not _overlaps(opts):
     return plain()
-  if not opts.bias:
+  if opts.bias:
+    takes_overlap = ((cta.first < cta.end) & (cta.full_lo == cta.first)
+                     & (cta.full_hi == cta.end))
+  elif opts.kv_lens:  # A batch element with no keys streams no block.
+    takes_overlap = cta.first < cta.end
+  else:
     return overlapped()
 
   def plain_tile():
@@ -305,8 +329,7 @@ def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring,
     result = plain()
     pl.when(wg == 0)(bars.sync_schedule)
     return result
-  in_full = (cta.first < cta.end) & (cta.full_lo == cta.first) & (cta.full_hi == cta.end)
-  return lax.cond(in_full, overlapped, plain_tile)
+  return lax.cond(takes_overlap, overlapped, plain_tile)
 
 
 def _softmax_block(s, state, step, *, dims, opts, q0, seq_kv, masked):
@@ -347,8 +370,9 @@ def _overlapped_step(i, carry, *, refs, bars, ring0, block_of, wg, q_smem, p_sta
 
 def _overlap_first(i, *, refs, bars, ring0, block_of, wg, q_smem, **kw):
   """The first block an overlapped kv_loop computes on (the tile's `i`-th streamed): S and
-  its softmax, no PV yet. Element-masked: under `_diagonal_first` this is the diagonal
-  block, elsewhere a no-op, once per tile (kept as measured)."""
+  its softmax, no PV yet. Element-masked: under `_last_first` this is the diagonal block
+  or the one that holds the keys' end, elsewhere a no-op, once per tile (kept as
+  measured)."""
   cfg = kw["opts"].config
   slot = pipeline.slot_of(ring0 + i, cfg.num_stages)
   plgpu.barrier_wait(bars.k_ready.at[slot])
@@ -371,8 +395,8 @@ def _overlap_last(acc, p16, alpha, i, *, refs, bars, ring0, opts, p_staging):
 
 def _stream_order(blocks: masking.BlockRange, opts: ForwardOptions):
   """The KV block a tile streams `i`-th: its blocks in order, or from the last down under
-  `_diagonal_first`. The producer and both compute warpgroups walk the same order."""
-  if _overlaps(opts) and _diagonal_first(opts):
+  `_last_first`. The producer and both compute warpgroups walk the same order."""
+  if _overlaps(opts) and _last_first(opts):
     return lambda i: blocks.end - 1 - i
   return lambda i: blocks.first + i
 
@@ -390,7 +414,7 @@ def _attend_overlapped(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: 
                        refs: _Refs, bars: pipeline.Barriers, dims, opts):
   """`_attend` with FA3's intra-warpgroup overlap, for tiles whose blocks are all unmasked
   (`_overlaps`, `_attend_tile`), or whose one masked block per warpgroup goes first
-  (`_diagonal_first`): the first block's softmax, then per block its S beside the previous
+  (`_last_first`): the first block's softmax, then per block its S beside the previous
   block's PV, then the last block's PV. The warpgroups take turns to issue
   (`Barriers.turn`): one turn per streamed block and one per tile (the last PV). The tile
   streams no bias tile (every block is fully visible), so the bias stream is not touched."""
@@ -399,7 +423,7 @@ def _attend_overlapped(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: 
   skip = 0  # Blocks streamed first for the other warpgroup only.
   if _diagonal_first(opts):  # Every row sees key 0: the blocks above its diagonal differ.
     skip = cta.end - own.end
-  elif not opts.bias:  # With a bias, `_attend_tile` checked it at run time.
+  elif not (opts.bias or opts.kv_lens):  # Else `_attend_tile` checked it at run time.
     assert own == cta, "the overlapped kv_loop visits every block of its CTA"
   kw = dict(dims=dims, opts=opts, q0=q0, seq_kv=seq_kv)
   at = dict(refs=refs, bars=bars, ring0=ring.kv, wg=wg)
