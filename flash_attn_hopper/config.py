@@ -87,9 +87,10 @@ class ForwardConfig:
     num_stages: K/V slots in the shared-memory ring, at least 2 so that a load overlaps compute.
     overlap_softmax: FA3's intra-warpgroup overlap: each step issues S = QKᵀ of its block and
       O += PV of the block before, and runs the softmax while PV is on the tensor cores
-      (one more S block in registers). Taken only where no block needs an element mask (no
-      causal or window band, key lengths or segment ids, and S a multiple of block_kv; with a
-      bias or a mask, by the tiles it leaves fully visible); elsewhere the plain loop runs.
+      (one more S block in registers). Taken where no block needs an element mask, or where
+      each warpgroup's one masked block can go first (causal's diagonal; without a band, the
+      block holding the keys' end under key lengths or a ragged S); with a bias or a mask, by
+      the tiles it leaves fully visible. Windows and segment ids keep the plain loop.
     bias_num_stages: slots of the ring of bias (or mask) tiles when it must differ from
       `num_stages` (None: the same). At D 256 a 16-bit bias fits with one: its tile is read
       before P V, so one slot still lets the next tile load under P V and the next QKᵀ.

@@ -65,6 +65,21 @@ def test_sequence_lengths_forward_and_gradients(rng, d):
   _check_forward_and_gradients(rng, q, k, v, **kw)
 
 
+@pytest.mark.parametrize("d, s, lengths", tiered(
+    [(128, 4096, (4096, 3001, 2048, 77)), (256, 4096, (4096, 3001, 2048, 77)),
+     (128, 4059, None), (256, 4059, (4059, 0, 3001, 77))],
+    lambda i, case: i < 2))
+def test_key_end_without_band_forward_and_gradients(rng, d, s, lengths):
+  """Key lengths or a ragged S with no band: the forward's overlapped kv_loop takes each
+  tile's last block (the one holding the keys' end, masked) first. Lengths past a block
+  edge, on one, within the first block, and zero (a batch element with no keys)."""
+  w = workloads.Workload("key_end", batch=4, seq_q=2048, seq_kv=s, num_q_heads=8,
+                         num_kv_heads=2, head_dim=d)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  kw = {} if lengths is None else dict(key_value_seq_lengths=jnp.array(lengths, jnp.int32))
+  _check_forward_and_gradients(rng, q, k, v, **kw)
+
+
 def _documents(rng, batch: int, length: int, docs: int):
   """Sorted ids of `docs` contiguous documents of random lengths per batch element."""
   cuts = [np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False)) for _ in range(batch)]
