@@ -270,7 +270,7 @@ def _overlaps(opts: ForwardOptions) -> bool:
   cfg = opts.config
   if not cfg.overlap_softmax or opts.segments:
     return False
-  if opts.kv_lens or (opts.seq_kv is not None and opts.seq_kv % cfg.block_kv):
+  if opts.kv_lens or _ragged_keys(opts):
     return _key_end_first(opts)
   return not opts.mask.banded or _diagonal_first(opts)
 
@@ -285,10 +285,13 @@ def _key_end_first(opts: ForwardOptions) -> bool:
   """Whether the only element mask is the keys' end (key lengths, or S not a whole number
   of blocks; no band, segment ids or bias): it falls on a tile's last block, which the
   overlapped loop then takes first."""
-  cfg = opts.config
-  ragged = opts.seq_kv is not None and opts.seq_kv % cfg.block_kv != 0
-  return ((opts.kv_lens or ragged) and not opts.mask.banded and not opts.segments
+  return ((opts.kv_lens or _ragged_keys(opts)) and not opts.mask.banded and not opts.segments
           and not opts.bias)
+
+
+def _ragged_keys(opts: ForwardOptions) -> bool:
+  """Whether S is known and not a whole number of key blocks, so the last block is cut."""
+  return opts.seq_kv is not None and opts.seq_kv % opts.config.block_kv != 0
 
 
 def _diagonal_first(opts: ForwardOptions) -> bool:
