@@ -92,7 +92,8 @@ def _attention_bwd(opts, bwd_config, deterministic, residuals, cotangents):
                                       interpret=opts.interpret, seq_kv=opts.seq_kv,
                                       kv_lens=opts.kv_lens, segments=opts.segments,
                                       soft_cap=opts.soft_cap, bias=opts.bias,
-                                      bias_grad=opts.bias_grad, bias_is_mask=opts.bias_is_mask)
+                                      bias_grad=opts.bias_grad, bias_is_mask=opts.bias_is_mask,
+                                      max_ctas=opts.max_ctas)
     dq, dk, dv, *dbias = _backward(q, k, v, out, lse, dout, masks, bwd_opts)
   return dq, dk, dv, None, None, (dbias[0] if dbias and opts.bias_grad else None)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -161,6 +162,28 @@ class Stream(NamedTuple):
   needed: Callable | None = None
   position: Callable | None = None
   stages: int | None = None
+
+
+class Ring(NamedTuple):
+  """Ring positions at the start of a tile, for a CTA whose rings run on across its tiles
+  (a persistent CTA): the shared ring's, and a sparse bias stream's (None without one),
+  which counts only the blocks that got a tile (`Stream.position`)."""
+  kv: jax.Array
+  bias: jax.Array | None
+
+  @classmethod
+  def start(cls, bias: bool = False) -> "Ring":
+    return cls(jnp.int32(0), jnp.int32(0) if bias else None)
+
+  def after(self, blocks) -> "Ring":
+    """The positions after a tile that streamed `blocks` (a `masking.BlockRange`) in full,
+    with tiles of the sparse stream for the blocks outside its full run."""
+    return Ring(self.kv + (blocks.end - blocks.first),
+                None if self.bias is None else self.bias + blocks.edge_count(blocks.end))
+
+  def advance(self, steps) -> "Ring":
+    """The positions after a tile of `steps` steps of dense streams only."""
+    return self._replace(kv=self.kv + steps)
 
 
 def stages_of(stream: Stream, num_stages: int) -> int:

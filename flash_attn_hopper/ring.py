@@ -169,7 +169,8 @@ def _kernel_block_backward(q, k, v, out, lse, dout, segments, is_causal, scale, 
     segments = masking.pad_segment_ids(segments, qp.shape[1], kp.shape[1])
   bwd_opts = common.BackwardOptions(scale=scale, mask=masking.MaskSpec(is_causal=is_causal),
                                     config=cfg, interpret=opts.interpret, seq_kv=s,
-                                    segments=segments is not None)
+                                    segments=segments is not None,
+                                    max_ctas=api.INTERPRET_CTAS if opts.interpret else None)
   dq, dk, dv, _ = backward_kernel.attention_backward(qp, kp, vp, outp, lse_p, doutp, bwd_opts,
                                                      None, segments)  # (no bias: no dbias)
   return (dq[:, :t].astype(jnp.float32), dk[:, :s].astype(jnp.float32),

@@ -1,6 +1,6 @@
 """The tile scheduler: which (batch, head, Q tile) each CTA works on, in order.
 
-Two schedules, both numbering a head's Q tiles fastest so that CTAs running side by side
+Three schedules, all numbering a head's Q tiles fastest so that CTAs running side by side
 share one (batch, head)'s K/V in L2:
 
 - persistent (no mask, every tile costs the same): at most one CTA per SM, each looping over
@@ -13,6 +13,11 @@ share one (batch, head)'s K/V in L2:
   H200. With an even number of tiles per head every item is a full pair, so the pairs are
   dealt round-robin to persistent CTAs, as above; with an odd number, the middle tile is a
   pair of one, and each CTA takes one pair and leaves the balancing to the hardware.
+- one per tile (`per_tile`): a CTA per work item, as a plain grid launches them, optionally
+  longest first. The backward kernels take it where persistence did not pay
+  (`kernels/common.backward_schedule`).
+
+A tile here is any CTA's run of rows along one sequence: the dK/dV kernel's are key tiles.
 """
 
 from __future__ import annotations
@@ -37,9 +42,20 @@ class TileScheduler(NamedTuple):
   rows_per_tile: int
   num_ctas: int
   paired: bool
+  #: One CTA per work item (`per_tile`), so `items_of` is 1; with `descending`, a head's last
+  #: tile goes first (the longest under a causal bound, for the dQ kernel).
+  one_per_tile: bool = False
+  descending: bool = False
+
+  @property
+  def persistent(self) -> bool:
+    """Whether a CTA may run more than one work item."""
+    return not self.one_per_tile
 
   def items_of(self, cta):
     """How many work items CTA `cta` runs (at least one)."""
+    if self.one_per_tile:
+      return 1
     if self.paired and not self._persistent_pairs:
       pair = cta % self._pairs_per_head
       return jnp.where(2 * pair + 1 == self.num_q_tiles, 1, 2)
@@ -67,6 +83,8 @@ class TileScheduler(NamedTuple):
     else:
       item = cta + i * self.num_ctas
       q_tile = item % self.num_q_tiles
+      if self.descending:
+        q_tile = self.num_q_tiles - 1 - q_tile
       head_batch = item // self.num_q_tiles
     return Tile(batch=head_batch // self.num_heads, head=head_batch % self.num_heads,
                 row0=q_tile * self.rows_per_tile)
@@ -84,3 +102,11 @@ def make(num_q_tiles: int, num_heads: int, batch: int, rows_per_tile: int, max_c
   else:
     num_ctas = max(1, min(num_q_tiles * num_heads * batch, max_ctas))
   return TileScheduler(num_q_tiles, num_heads, batch, rows_per_tile, num_ctas, paired)
+
+
+def per_tile(num_q_tiles: int, num_heads: int, batch: int, rows_per_tile: int,
+             descending: bool = False) -> TileScheduler:
+  """One CTA per tile, a head's tiles numbered fastest (longest first with `descending`)."""
+  return TileScheduler(num_q_tiles, num_heads, batch, rows_per_tile,
+                       num_q_tiles * num_heads * batch, paired=False, one_per_tile=True,
+                       descending=descending)

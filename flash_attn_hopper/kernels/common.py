@@ -71,6 +71,8 @@ class AttentionOptions:
   #: Whether the bias input is a `mask` alone, as uint8 (1: visible): its tiles take one byte
   #: per entry instead of two, and the kernels turn them into 0 / −inf (`bias_values`).
   bias_is_mask: bool = False
+  #: Upper bound on persistent CTAs; None means one per SM.
+  max_ctas: int | None = None
 
   def bias_dtype(self, dtype):
     """The dtype of the bias tiles for inputs of `dtype` (None without a bias)."""

@@ -27,7 +27,8 @@ Rows past T and keys past S are zero-filled by TMA on load and clipped on store;
 are masked inside the kernel, so any T ≥ 1 and S ≥ 1 work. With segment ids, each warpgroup's
 rows' ids come with its Q tile and the keys' ids stream through the ring between K and V. A
 bias (or a mask) streams its tiles for the blocks the CTA does not see in full only, on a
-sparse stream of its own ring positions (`_Ring`), so a fully visible block costs nothing.
+sparse stream of its own ring positions (`pipeline.Ring`), so a fully visible block costs
+nothing.
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ class ForwardOptions(common.AttentionOptions):
   """Static options of one forward call."""
 
   config: config_lib.ForwardConfig
-  #: Upper bound on persistent CTAs; None means one per SM.
-  max_ctas: int | None = None
 
 
 class _Refs(NamedTuple):
@@ -78,23 +77,6 @@ class _Refs(NamedTuple):
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
   ids_ring: object = None    # segments: (num_stages, block_kv) int32, the keys' ids
   bias_ring: object = None   # bias: (bias stages, compute warpgroups, block_q, block_kv)
-
-
-class _Ring(NamedTuple):
-  """Ring positions at the start of a tile (the ring runs on across a persistent CTA's
-  tiles): the K/V ring's, and the bias stream's (None without a bias), which counts only
-  the blocks that got a tile (`pipeline.Stream.position`)."""
-  kv: jax.Array
-  bias: jax.Array | None
-
-  @classmethod
-  def start(cls, opts) -> "_Ring":
-    return cls(jnp.int32(0), jnp.int32(0) if opts.bias else None)
-
-  def after(self, blocks: masking.BlockRange) -> "_Ring":
-    """The positions after a tile that streamed `blocks`."""
-    return _Ring(self.kv + (blocks.end - blocks.first),
-                 None if self.bias is None else self.bias + blocks.edge_count(blocks.end))
 
 
 def _ids_stream(bars: pipeline.Barriers, refs: _Refs):
@@ -228,8 +210,8 @@ def _warpgroup_blocks(wg, tile: scheduler.Tile, cta: masking.BlockRange, refs: _
   return q0, seq_kv, own
 
 
-def _attend(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring, q_ids, refs: _Refs,
-            bars: pipeline.Barriers, dims, opts):
+def _attend(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: pipeline.Ring, q_ids,
+            refs: _Refs, bars: pipeline.Barriers, dims, opts):
   """The kv_loop of one warpgroup over one tile; returns the O accumulator and softmax state.
 
   The CTA streams blocks [cta.first, cta.end); this warpgroup computes on its own part of
@@ -307,7 +289,7 @@ def _diagonal_first(opts: ForwardOptions) -> bool:
           and cfg.block_kv % cfg.block_q == 0)
 
 
-def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring, q_ids,
+def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: pipeline.Ring, q_ids,
                  refs: _Refs, bars: pipeline.Barriers, dims, opts):
   """The kv_loop of one warpgroup over one tile, overlapped or plain (see `_overlaps`). Both
   warpgroups choose alike: from their CTA's blocks, `cta`."""
@@ -413,7 +395,7 @@ def _release_turn(i, _, *, bars, ring0, wg, opts):
   bars.pass_turn(wg)
 
 
-def _attend_overlapped(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: _Ring,
+def _attend_overlapped(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: pipeline.Ring,
                        refs: _Refs, bars: pipeline.Barriers, dims, opts):
   """`_attend` with FA3's intra-warpgroup overlap, for tiles whose blocks are all unmasked
   (`_overlaps`, `_attend_tile`), or whose one masked block per warpgroup goes first
@@ -481,7 +463,7 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
   else:
     pl.when(wg == 1)(bars.sync_schedule)    # Warpgroup 1 runs one phase behind.
 
-  def tile_body(i, ring: _Ring):
+  def tile_body(i, ring: pipeline.Ring):
     tile = sched.tile(cta, i)
     load_next_q = functools.partial(
         pl.when(i + 1 < num_items),
@@ -498,7 +480,7 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
       load_next_q()
     return ring.after(cta_blocks)
 
-  lax.fori_loop(0, num_items, tile_body, _Ring.start(opts))
+  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start(bias=bool(opts.bias)))
   if _overlaps(opts):  # Observe the turn warpgroup 1 passed last, so no phase goes unseen.
     pl.when(wg == 0)(lambda: bars.take_turn(0))
   else:
@@ -525,7 +507,7 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
   cta = lax.axis_index("cta")
   group = dims.group
 
-  def tile_body(i, ring: _Ring):
+  def tile_body(i, ring: pipeline.Ring):
     tile = sched.tile(cta, i)
     kv_head = tile.head // group  # GQA: no repeated K/V.
     blocks = _cta_kv_blocks(tile, refs, dims, opts)
@@ -545,7 +527,8 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
     pipeline.produce(streams, ring.kv, blocks.end - blocks.first, cfg.num_stages)
     return ring.after(blocks)
 
-  total = lax.fori_loop(0, sched.items_of(cta), tile_body, _Ring.start(opts))
+  total = lax.fori_loop(0, sched.items_of(cta), tile_body,
+                        pipeline.Ring.start(bias=bool(opts.bias)))
   pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring,
                                  None, refs.bias_ring, bias_position=lambda step: step,
                                  bias_stages=cfg.bias_num_stages),
