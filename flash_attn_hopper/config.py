@@ -319,6 +319,15 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
     (256, False): BackwardConfig(dq_num_stages=1), (256, True): BackwardConfig(dq_num_stages=1),
 }
 
+#: The dQ and dK/dV kernels run on persistent CTAs (`scheduler`: a CTA per SM looping over
+#: tiles, mirror pairs under causal) when a tile streams at most this many ring steps, its
+#: ring has at least two stages, and neither a bias nor segment ids come along; otherwise one
+#: CTA per tile (`kernels/common.backward_schedule`). On the H200 (2026-12-02, bf16 fwd+bwd,
+#: `scripts/ab_backward_schedule.py`, every tile persistent against one CTA per tile, ratio
+#: to cuDNN): 1k, where tiles take 8–16 steps, gained 6–10% at D 64 causal and D 128; 4k and
+#: 16k (32–256 steps) lost up to 7%, and D 256, whose dQ ring has one stage, up to 14% in dQ.
+PERSISTENT_BACKWARD_MAX_STEPS = 16
+
 # Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many
 # queries on, config). At D 128 causal the third stage pays at 1k and 4k but not at 16k: in
 # one grid run on the H200 (2026-11-30, bf16, fwd+bwd TFLOP/s) 3 stages gave 308 / 421 / 457

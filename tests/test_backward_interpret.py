@@ -112,3 +112,30 @@ def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
   grads = _grads(q, k, v, dout, is_causal=True, backward_config=cfg)
   testing.check_gradients(grads, q, k, v, dout, is_causal=True)
+
+
+@pytest.mark.parametrize("is_causal", (False, True))
+def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, is_causal):
+  """The backward kernels on persistent CTAs (two when interpreting, each running several
+  tiles of both kernels, mirror pairs under causal) against one CTA per tile."""
+  from flash_attn_hopper import config as config_lib
+  from flash_attn_hopper.kernels import common
+
+  # Even tile counts along T and S (so causal's pairs are dealt to the two CTAs), neither a
+  # whole number of tiles.
+  w = workloads.Workload("gqa_480_d64", batch=1, seq_q=480, seq_kv=480, num_q_heads=4,
+                         num_kv_heads=2, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  schedules = []
+  original = common.backward_schedule
+  spy = lambda *a, **kw: schedules.append(original(*a, **kw)) or schedules[-1]
+  monkeypatch.setattr(common, "backward_schedule", spy)
+  persistent = _grads(q, k, v, dout, is_causal=is_causal)
+  assert [s.persistent and s.num_ctas == 2 for s in schedules] == [True, True]  # dQ, dK/dV
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", 0)
+  per_tile = _grads(q, k, v, dout, is_causal=is_causal)
+  assert len(schedules) == 4 and not any(s.persistent for s in schedules[2:])
+  for a, b in zip(persistent, per_tile):
+    assert bool(jnp.all(a == b))
+  testing.check_gradients(persistent, q, k, v, dout, is_causal=is_causal)

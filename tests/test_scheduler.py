@@ -59,3 +59,14 @@ def test_persistent_schedule_caps_ctas():
   sched = scheduler.make(64, num_heads=16, batch=4, rows_per_tile=128, max_ctas=132,
                          paired=False)
   assert sched.num_ctas == 132
+
+
+@pytest.mark.parametrize("descending", (False, True))
+def test_one_cta_per_tile(descending):
+  sched = scheduler.per_tile(4, num_heads=3, batch=2, rows_per_tile=64, descending=descending)
+  assert sched.num_ctas == 24 and not sched.persistent
+  seen, _ = _tiles(sched)
+  assert set(seen) == {(b, h, q * 64) for b in range(2) for h in range(3) for q in range(4)}
+  assert all(count == 1 for count in seen.values())
+  first = [int(sched.tile(cta, 0).row0) // 64 for cta in range(4)]  # One head's tiles.
+  assert first == ([3, 2, 1, 0] if descending else [0, 1, 2, 3])

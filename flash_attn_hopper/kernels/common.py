@@ -18,6 +18,7 @@ from flash_attn_hopper import hardware
 from flash_attn_hopper import layouts
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
+from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
 
 
@@ -99,6 +100,23 @@ class BackwardOptions(AttentionOptions):
   """Static options of one backward call."""
 
   config: config_lib.BackwardConfig
+
+
+def backward_schedule(num_tiles: int, num_heads: int, batch: int, rows_per_tile: int, *,
+                      steps: int, stages: int, opts: BackwardOptions,
+                      descending: bool = False) -> scheduler.TileScheduler:
+  """The tile schedule of a backward kernel whose tiles stream at most `steps` ring steps
+  through `stages` slots: persistent CTAs where that paid on the H200
+  (`config.PERSISTENT_BACKWARD_MAX_STEPS`), mirror pairs under a causal bound; else one CTA
+  per tile (`descending`: a head's last tile first). A bias's sparse stream and segment ids
+  keep one CTA per tile, as does `BackwardConfig.fused_dq`."""
+  persistent = (steps <= config_lib.PERSISTENT_BACKWARD_MAX_STEPS and stages >= 2
+                and not (opts.bias or opts.segments or opts.config.fused_dq))
+  if not persistent:
+    return scheduler.per_tile(num_tiles, num_heads, batch, rows_per_tile, descending)
+  return scheduler.make(num_tiles, num_heads, batch, rows_per_tile,
+                        max_ctas=opts.max_ctas or hardware.num_sms(),
+                        paired=opts.mask.upper is not None and opts.mask.left is None)
 
 
 def keys_of(batch, kv_lens_ref, dims: Dims):

@@ -40,6 +40,7 @@ from jax import lax
 from flash_attn_hopper import accumulate
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
+from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 from flash_attn_hopper.kernels import fused_dq
@@ -91,12 +92,12 @@ class _Tile(NamedTuple):
   band: masking.BlockRange  # query blocks of the band and lengths; [full_lo, full_hi) unmasked
 
 
-def _tile(masks: common.MaskInputs, dims: common.Dims, opts: common.BackwardOptions) -> _Tile:
+def _tile(item: scheduler.Tile, masks: common.MaskInputs, dims: common.Dims,
+          opts: common.BackwardOptions) -> _Tile:
+  """The scheduler's work item `item` (its rows are keys, its head a KV head) as a tile."""
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-  key0 = lax.axis_index("kv_tile") * wgs * cfg.block_kv
-  batch = lax.axis_index("batch")
-  kv_head = lax.axis_index("kv_head")
+  key0, batch, kv_head = item.row0, item.batch, item.head
   seq_kv = common.keys_of(batch, masks.kv_lens, dims)
   band = masking.q_block_range(opts.mask, key0, wgs * cfg.block_kv, dims.seq_q, cfg.block_q)
   if opts.kv_lens:  # No step past the keys; every step masked where they straddle them.
@@ -159,15 +160,16 @@ def _edges_only(opts) -> bool:
   return (opts.mask.banded or opts.kv_lens) and not (opts.segments or opts.bias)
 
 
-def _q_step(step, carry, *, wg, tile, k_ids, refs: _Refs, streams, dims, opts,
+def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, opts,
             masked: bool):
-  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None).
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None),
+  at ring position ring0 + step.
   With a bias, `masked` says whether the producer streamed a tile for it (`_free_blocks`),
   and element masks (band, lengths, segments) run on every step; under `_edges_only`, it
   says whether the block is on an edge of `_Tile.band` (element-masked)."""
   dk, dv = carry
   cfg = opts.config
-  slot = pipeline.slot_of(step, cfg.num_stages)
+  slot = pipeline.slot_of(ring0 + step, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, *extra = streams  # (and the queries' ids, the bias)
   ids_s = extra.pop(0) if opts.segments else None
   bias_s = extra.pop(0) if opts.bias else None
@@ -237,26 +239,35 @@ def _tile_copies(opts) -> int:
   return 3 if opts.segments else 2
 
 
-def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, opts):
-  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
-  cfg = opts.config
-  rows = pl.ds(tile.key0 + wg * cfg.block_kv, cfg.block_kv)
-  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
-  copies = [(refs.k.at[tile.batch, rows, tile.kv_head], k_smem),
-            (refs.v.at[tile.batch, rows, tile.kv_head], v_smem)]
+def _issue_tile_loads(wg, tile: _Tile, refs: _Refs, tile_ready, opts):
+  """Starts the loads of this warpgroup's keys of `tile`: K, V (and their segment ids), each
+  on its own barrier."""
+  rows = pl.ds(tile.key0 + wg * opts.config.block_kv, opts.config.block_kv)
+  copies = [(refs.k.at[tile.batch, rows, tile.kv_head], refs.k_smem.at[wg]),
+            (refs.v.at[tile.batch, rows, tile.kv_head], refs.v_smem.at[wg])]
   if opts.segments:
     copies.append((refs.masks.kv_ids.at[tile.batch, rows], refs.k_ids_smem.at[wg]))
   n = _tile_copies(opts)
   for i, (src, dst) in enumerate(copies):
     plgpu.copy_gmem_to_smem(src, dst, tile_ready.at[n * wg + i])
-  for i in range(len(copies)):
+
+
+def _attend_tile(wg, tile: _Tile, ring0, refs: _Refs, streams, tile_ready, dims, opts,
+                 persistent: bool):
+  """dK and dV (float32, dK unscaled) of one warpgroup's keys of a tile, once its loads
+  landed: every step of every query head in the group. `persistent`: the next tile's loads
+  may land in the buffers read here."""
+  cfg = opts.config
+  n = _tile_copies(opts)
+  for i in range(n):
     plgpu.barrier_wait(tile_ready.at[n * wg + i])
   # The keys' ids, per row of a (keys, queries) block.
   k_ids = plgpu.load(refs.k_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
-
+  if persistent and opts.segments:  # The next tile's ids land here by TMA.
+    pipeline.order_loads_before_tma()
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
-  step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
-                           dims=dims, opts=opts)
+  step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, ring0=ring0, refs=refs,
+                           streams=streams, dims=dims, opts=opts)
   blocks_of = None  # Every step alike.
   if opts.bias:
     blocks_of = lambda g: _free_blocks(tile, refs.masks, dims, opts, g)  # No bias tile read.
@@ -266,13 +277,63 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, dims, 
                                  (zeros, zeros))
   if refs.fused is not None:  # The other warpgroup's dQ products read this K tile.
     fused_dq.finish(refs.fused)
+  return dk, dv
 
-  k_smem[...] = (dk * opts.scale).astype(dims.dtype)  # K and V are no longer read.
+
+def _store(wg, dk, dv, tile: _Tile, refs: _Refs, dims, opts):
+  """dK and dV out through K's and V's buffers (no longer read), by TMA; rows past S clip."""
+  rows = pl.ds(tile.key0 + wg * opts.config.block_kv, opts.config.block_kv)
+  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
+  k_smem[...] = (dk * opts.scale).astype(dims.dtype)
   v_smem[...] = dv.astype(dims.dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(k_smem, refs.dk.at[tile.batch, rows, tile.kv_head])
   plgpu.copy_smem_to_gmem(v_smem, refs.dv.at[tile.batch, rows, tile.kv_head])
+
+
+def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, opts):
+  """One warpgroup's keys of each of its CTA's tiles. A persistent CTA loads the next
+  tile's K and V once dK and dV have left through their buffers; the producer streams the
+  next tile's queries meanwhile."""
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  cta = lax.axis_index("cta")
+  num_items = sched.items_of(cta)
+  tile_of = lambda i: _tile(sched.tile(cta, i), refs.masks, dims, opts)
+  _issue_tile_loads(wg, tile_of(0), refs, tile_ready, opts)
+
+  def tile_body(i, ring0):
+    tile = tile_of(i)
+    streams = query_streams(tile, refs, ring_barriers, dims, opts)
+    dk, dv = _attend_tile(wg, tile, ring0, refs, streams, tile_ready, dims, opts,
+                          sched.persistent)
+    _store(wg, dk, dv, tile, refs, dims, opts)
+    if sched.persistent:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(i + 1 < num_items)(
+          lambda: _issue_tile_loads(wg, tile_of(i + 1), refs, tile_ready, opts))
+    return ring0 + dims.group * tile.steps_per_head
+
+  lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
   plgpu.wait_smem_to_gmem(0)
+
+
+def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
+  """Streams each tile's query blocks through the ring, which runs on across the CTA's
+  tiles."""
+  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
+  cta = lax.axis_index("cta")
+
+  def tile_body(i, ring0):
+    tile = _tile(sched.tile(cta, i), refs.masks, dims, opts)
+    num_steps = dims.group * tile.steps_per_head
+    pipeline.produce(query_streams(tile, refs, ring_barriers, dims, opts), ring0, num_steps,
+                     opts.config.num_stages)
+    return ring0 + num_steps
+
+  total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
+  # The streams' sources are not read here (no tile).
+  pipeline.drain(query_streams(None, refs, ring_barriers, dims, opts), total,
+                 opts.config.num_stages)
 
 
 def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
@@ -305,7 +366,7 @@ def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
                (ready, consumed), need in zip(srcs, rings, barriers, needed))
 
 
-def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   masks, outs = common.MaskInputs.split(rest, opts)
   *dq_acc, dk, dv = outs  # (dQ's float32 accumulator, an input ref, with `fused_dq`)
   cfg = opts.config
@@ -341,13 +402,10 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
                  delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
                  bias_ring, buffers)
     tile_ready, *ring_barriers = rest[len(staging):]
-    tile = _tile(masks, dims, opts)
     barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
-    streams = query_streams(tile, refs, barriers, dims, opts)
-    num_steps = dims.group * tile.steps_per_head
     common.specialize(
-        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, dims, opts),
-        lambda: common.producer(streams, num_steps, stages))
+        lambda wg: _compute_warpgroup(wg, refs, barriers, tile_ready, sched, dims, opts),
+        lambda: _producer_warpgroup(refs, barriers, sched, dims, opts))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, *fused, collective_axes="wg")
 
@@ -369,9 +427,13 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   masks = masks.with_bias(bias, rows=num_kv_tiles * keys, row_block=cfg.block_kv,
                           col_block=cfg.block_q, tiles_are_keys=True)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  # Under causal the first key tiles see the most queries, so one CTA per tile runs them
+  # first as it is; persistent CTAs pair them with their mirrors.
+  sched = common.backward_schedule(num_kv_tiles, dims.num_kv_heads, dims.batch, keys,
+                                   steps=dims.group * pl.cdiv(q.shape[1], cfg.block_q),
+                                   stages=cfg.num_stages, opts=opts)
   return common.launch(
-      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      *masks.arrays(), *([] if dq_acc is None else [dq_acc]), out_type=out_type,
-      grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
-      grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv",
+      functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
+      delta, *masks.arrays(), *([] if dq_acc is None else [dq_acc]), out_type=out_type,
+      grid=(sched.num_ctas,), grid_names=("cta",), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)

@@ -37,6 +37,7 @@ from flash_attn_hopper import accumulate
 from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
+from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 
@@ -69,12 +70,7 @@ class _Refs(NamedTuple):
   ids_ring: object = None    # segments: (dq stages, block_kv) int32, the keys' ids
   ds: object = None          # bias_grad: (B, N, T, S) dS out, in the bias's dtype
   ds_smem: object = None     # bias_grad, D ≤ 128: (compute warpgroups, block_q, block_kv)
-
-
-class _Tile(NamedTuple):
-  batch: jax.Array
-  head: jax.Array
-  row0: jax.Array
+  bias_ring: object = None   # bias: (dq stages, compute warpgroups, block_q, block_kv)
 
 
 def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
@@ -114,7 +110,7 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
   return carry
 
 
-def _ds_block(refs: _Refs, tile: "_Tile", q0, block, cfg):
+def _ds_block(refs: _Refs, tile: scheduler.Tile, q0, block, cfg):
   """The global-memory view of dS for this warpgroup's rows and KV block `block`."""
   return refs.ds.at[tile.batch, tile.head, pl.ds(q0, cfg.block_q),
                     pl.ds(block * cfg.block_kv, cfg.block_kv)]
@@ -133,7 +129,7 @@ def _store_ds(ds, dst, ds_smem, wg):
   plgpu.copy_smem_to_gmem(ds_smem.at[wg], dst)
 
 
-def _zero_unvisited_ds(own: masking.BlockRange, tile: "_Tile", q0, refs: _Refs, wg, dims,
+def _zero_unvisited_ds(own: masking.BlockRange, tile: scheduler.Tile, q0, refs: _Refs, wg, dims,
                        opts):
   """Zeros into this warpgroup's dS blocks outside its own run (P = 0 there): from the
   staging tile, filled with zeros once, or (without staging tiles) from registers."""
@@ -168,11 +164,15 @@ def _tile_copies(opts) -> int:
   return 5 if opts.segments else 4
 
 
-def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, opts):
-  """Q, dO, the LSE and δ of this warpgroup's rows (and their segment ids), each on its own
-  barrier."""
-  q0 = tile.row0 + wg * opts.config.block_q
-  rows = pl.ds(q0, opts.config.block_q)
+#: Q's place among the tile loads: dQ leaves through Q's buffer, so a persistent CTA loads the
+#: next tile's Q last, once that store has read it; the others load under the epilogue.
+_Q_LOAD = 0
+
+
+def _issue_tile_loads(wg, tile: scheduler.Tile, refs: _Refs, tile_ready, opts, which):
+  """Starts the loads `which` (indices, `_Q_LOAD` first) of this warpgroup's rows of `tile`:
+  Q, dO, the LSE and δ (and their segment ids), each on its own barrier."""
+  rows = pl.ds(tile.row0 + wg * opts.config.block_q, opts.config.block_q)
   copies = [(refs.q.at[tile.batch, rows, tile.head], refs.q_smem),
             (refs.do.at[tile.batch, rows, tile.head], refs.do_smem),
             (refs.lse.at[tile.batch, tile.head, rows], refs.lse_smem),
@@ -180,30 +180,33 @@ def _load_tile(wg, tile: _Tile, refs: _Refs, tile_ready, opts):
   if opts.segments:
     copies.append((refs.masks.q_ids.at[tile.batch, rows], refs.q_ids_smem))
   n = _tile_copies(opts)
-  for i, (src, dst) in enumerate(copies):
+  for i in which:
+    src, dst = copies[i]
     plgpu.copy_gmem_to_smem(src, dst.at[wg], tile_ready.at[n * wg + i])
-  for i in range(len(copies)):
-    plgpu.barrier_wait(tile_ready.at[n * wg + i])
-  return q0
 
 
-def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, seq_kv, dims,
-                       opts):
-  """One warpgroup's queries: its own blocks of the CTA's [cta.first, cta.end), the others
-  released (as in the forward)."""
-  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: pipeline.Ring,
+                 refs: _Refs, streams, tile_ready, seq_kv, dims, opts, persistent: bool):
+  """dQ (float32, unscaled) of one warpgroup's rows of a tile, once its loads landed: its
+  own blocks of the CTA's [cta.first, cta.end), the others released (as in the forward).
+  `persistent`: the next tile's loads may land in the buffers read here."""
   cfg = opts.config
-  q0 = _load_tile(wg, tile, refs, tile_ready, opts)
+  n = _tile_copies(opts)
+  for i in range(n):
+    plgpu.barrier_wait(tile_ready.at[n * wg + i])
+  q0 = tile.row0 + wg * cfg.block_q
   k_s, *extra, v_s = streams  # K, (the keys' ids,) (the bias,) V
   ids_s = extra.pop(0) if opts.segments else None
   bias_s = extra.pop(0) if opts.bias else None
   q_ids = plgpu.load(refs.q_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
-  ring0 = -cta.first
+  lse = plgpu.load(refs.lse_smem.at[wg], layout=common.ROWS)
+  delta = plgpu.load(refs.delta_smem.at[wg], layout=common.ROWS)
+  if persistent:  # The next tile's LSE and δ land here by TMA.
+    pipeline.order_loads_before_tma()
+  ring0 = ring.kv - cta.first  # The ring position of block 0.
   step = functools.partial(
-      _kv_step, wg=wg, tile=tile, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0,
-      lse=plgpu.load(refs.lse_smem.at[wg], layout=common.ROWS),
-      delta=plgpu.load(refs.delta_smem.at[wg], layout=common.ROWS), k_s=k_s, v_s=v_s,
-      ids_s=ids_s, bias_s=bias_s, refs=refs,
+      _kv_step, wg=wg, tile=tile, q0=q0, q_ids=q_ids, seq_kv=seq_kv, ring0=ring0, lse=lse,
+      delta=delta, k_s=k_s, v_s=v_s, ids_s=ids_s, bias_s=bias_s, refs=refs,
       staging=None if refs.staging is None else refs.staging.at[wg],
       q_smem=refs.q_smem.at[wg], do_smem=refs.do_smem.at[wg], dims=dims, opts=opts)
   own = _kv_blocks(tile, q0, cfg.block_q, seq_kv, refs, opts).within(cta)
@@ -215,15 +218,50 @@ def _compute_warpgroup(wg, tile: _Tile, refs: _Refs, streams, tile_ready, cta, s
   dq = common.walk_blocks(cta, own, step, release, dq)
   if refs.ds is not None:
     _zero_unvisited_ds(own, tile, q0, refs, wg, dims, opts)
+  return dq
 
-  q_smem = refs.q_smem.at[wg]  # Q is no longer read: dQ leaves through it.
+
+def _store_dq(wg, dq, tile: scheduler.Tile, refs: _Refs, dims, opts):
+  """dQ out through Q's buffer (Q is no longer read), by TMA; rows past T clip."""
+  q_smem = refs.q_smem.at[wg]
   q_smem[...] = (dq * opts.scale).astype(dims.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem, refs.dq.at[tile.batch, pl.ds(q0, cfg.block_q), tile.head])
+  rows = pl.ds(tile.row0 + wg * opts.config.block_q, opts.config.block_q)
+  plgpu.copy_smem_to_gmem(q_smem, refs.dq.at[tile.batch, rows, tile.head])
+
+
+def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, opts):
+  """One warpgroup's rows of each of its CTA's tiles. A persistent CTA loads the next tile's
+  dO, LSE and δ under this tile's epilogue, and its Q once dQ has left through Q's buffer."""
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  cta = lax.axis_index("cta")
+  num_items = sched.items_of(cta)
+  loads = range(_tile_copies(opts))
+  _issue_tile_loads(wg, sched.tile(cta, 0), refs, tile_ready, opts, loads)
+
+  def tile_body(i, ring: pipeline.Ring):
+    tile = sched.tile(cta, i)
+    seq_kv = common.keys_of(tile.batch, refs.masks.kv_lens, dims)
+    blocks = _cta_kv_blocks(tile, seq_kv, refs, opts)
+    streams = _streams(tile, blocks, ring, refs, ring_barriers, dims, opts)
+    dq = _attend_tile(wg, tile, blocks, ring, refs, streams, tile_ready, seq_kv, dims, opts,
+                      sched.persistent)
+    load_next = lambda which: pl.when(i + 1 < num_items)(lambda: _issue_tile_loads(
+        wg, sched.tile(cta, i + 1), refs, tile_ready, opts, which))
+    if sched.persistent:
+      load_next([j for j in loads if j != _Q_LOAD])
+    _store_dq(wg, dq, tile, refs, dims, opts)
+    if sched.persistent:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      load_next([_Q_LOAD])
+    return ring.after(blocks)
+
+  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start(bias=bool(opts.bias)))
   plgpu.wait_smem_to_gmem(0)
 
 
-def _kv_blocks(tile: _Tile, q0, rows: int, seq_kv, refs: _Refs, opts) -> masking.BlockRange:
+def _kv_blocks(tile: scheduler.Tile, q0, rows: int, seq_kv, refs: _Refs,
+               opts) -> masking.BlockRange:
   """The KV blocks the rows [q0, q0 + rows) saw in the forward: the band's, narrowed by
   segments and a mask."""
   band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.block_kv)
@@ -231,15 +269,63 @@ def _kv_blocks(tile: _Tile, q0, rows: int, seq_kv, refs: _Refs, opts) -> masking
                                  q0=q0, rows=rows)
 
 
-def _q_tile(num_q_tiles: int, opts):
-  """The grid's query tile, longest first: under a causal bound the last tiles see the most
-  keys, so they run first and the short ones fill the tail (a shortest-first order left the
-  16k causal grid's last wave ~7% long in a list-scheduling model)."""
-  index = lax.axis_index("q_tile")
-  return index if opts.mask.upper is None else num_q_tiles - 1 - index
+def _cta_kv_blocks(tile: scheduler.Tile, seq_kv, refs: _Refs, opts) -> masking.BlockRange:
+  """The KV blocks the producer streams for a tile: those of both warpgroups' rows."""
+  rows = pipeline.NUM_COMPUTE_WARPGROUPS * opts.config.block_q
+  return _kv_blocks(tile, tile.row0, rows, seq_kv, refs, opts)
 
 
-def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, opts):
+def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, refs: _Refs,
+             ring_barriers, dims, opts) -> tuple:
+  """K, (the keys' ids,) (the bias,) V of a tile's blocks `cta` as ring streams (the ids and
+  the bias go between K and V: the mask is needed before dP). The bias's stream is sparse:
+  no tile where it is zero for every row of the CTA. `tile` None: the streams without
+  sources, for `pipeline.drain`."""
+  cfg = opts.config
+  rings = [refs.k_ring, refs.v_ring]
+  srcs = [None, None]
+  if tile is not None:
+    kv_head = tile.head // dims.group
+    rows = lambda step: pl.ds((cta.first + step) * cfg.block_kv, cfg.block_kv)
+    srcs = [lambda step: refs.k.at[tile.batch, rows(step), kv_head],
+            lambda step: refs.v.at[tile.batch, rows(step), kv_head]]
+  sparse = [(None, None)] * 2
+  if opts.bias:
+    srcs.insert(1, None if tile is None else lambda step: common.bias_block(
+        refs.masks, opts, tile.batch, tile.head, tile.row0, rows(step)))
+    rings.insert(1, refs.bias_ring)
+    sparse.insert(1, (None, lambda step: step) if tile is None
+                  else cta.edge_steps(first=cta.first, base=ring.bias))
+  if opts.segments:
+    srcs.insert(1, None if tile is None else lambda step: refs.masks.kv_ids.at[
+        tile.batch, rows(step)])
+    rings.insert(1, refs.ids_ring)
+    sparse.insert(1, (None, None))
+  return tuple(pipeline.Stream(src, ring_smem, ready, consumed, *needs)
+               for src, ring_smem, ready, consumed, needs in zip(
+                   srcs, rings, ring_barriers[::2], ring_barriers[1::2], sparse))
+
+
+def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
+  """Streams each tile's KV blocks through the ring, which runs on across the CTA's tiles."""
+  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
+  cta = lax.axis_index("cta")
+
+  def tile_body(i, ring: pipeline.Ring):
+    tile = sched.tile(cta, i)
+    blocks = _cta_kv_blocks(tile, common.keys_of(tile.batch, refs.masks.kv_lens, dims), refs,
+                            opts)
+    streams = _streams(tile, blocks, ring, refs, ring_barriers, dims, opts)
+    pipeline.produce(streams, ring.kv, blocks.end - blocks.first, opts.config.dq_stages)
+    return ring.after(blocks)
+
+  total = lax.fori_loop(0, sched.items_of(cta), tile_body,
+                        pipeline.Ring.start(bias=bool(opts.bias)))
+  pipeline.drain(_streams(None, None, None, refs, ring_barriers, dims, opts), total.kv,
+                 opts.config.dq_stages, sparse_total=total.bias)
+
+
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   masks, (dq, *ds) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
@@ -268,34 +354,11 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, num_q_tiles: int, 
              bias_ring, ds_smem, *rest):
     refs = _Refs(q, k, v, do, lse, delta, dq, q_smem, do_smem, lse_smem, delta_smem, k_ring,
                  v_ring, rest[0] if staging else None, masks, q_ids_smem, ids_ring,
-                 ds[0] if ds else None, ds_smem)
+                 ds[0] if ds else None, ds_smem, bias_ring)
     tile_ready, *ring_barriers = rest[len(staging):]
-    tile = _Tile(batch=lax.axis_index("batch"), head=lax.axis_index("head"),
-                 row0=_q_tile(num_q_tiles, opts) * wgs * cfg.block_q)
-    kv_head = tile.head // dims.group
-    seq_kv = common.keys_of(tile.batch, masks.kv_lens, dims)
-    cta = _kv_blocks(tile, tile.row0, wgs * cfg.block_q, seq_kv, refs, opts)
-    rows = lambda step: pl.ds((cta.first + step) * cfg.block_kv, cfg.block_kv)
-    srcs = [lambda step: k.at[tile.batch, rows(step), kv_head],
-            lambda step: v.at[tile.batch, rows(step), kv_head]]
-    rings = [k_ring, v_ring]
-    if opts.bias:  # The bias and the keys' ids go between K and V.
-      srcs.insert(1, lambda step: common.bias_block(masks, opts, tile.batch, tile.head,
-                                                    tile.row0, rows(step)))
-      rings.insert(1, bias_ring)
-    if opts.segments:
-      srcs.insert(1, lambda step: masks.kv_ids.at[tile.batch, rows(step)])
-      rings.insert(1, ids_ring)
-    sparse = [(None, None)] * len(srcs)
-    if opts.bias:  # No tile where the bias is zero for every row of the CTA.
-      sparse[-2] = cta.edge_steps(first=cta.first)
-    streams = tuple(pipeline.Stream(*stream, *needs) for *stream, needs in zip(
-        srcs, rings, ring_barriers[::2], ring_barriers[1::2], sparse))
     common.specialize(
-        lambda wg: _compute_warpgroup(wg, tile, refs, streams, tile_ready, cta, seq_kv, dims,
-                                      opts),
-        lambda: common.producer(streams, cta.end - cta.first, stages,
-                                sparse_total=cta.edge_count(cta.end)))
+        lambda wg: _compute_warpgroup(wg, refs, ring_barriers, tile_ready, sched, dims, opts),
+        lambda: _producer_warpgroup(refs, ring_barriers, sched, dims, opts))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
@@ -317,11 +380,16 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
     shape = (num_q_tiles * rows, pl.cdiv(k.shape[1], cfg.block_kv) * cfg.block_kv)
     out_type = (out_type, jax.ShapeDtypeStruct((dims.batch, dims.num_q_heads, *shape),
                                                q.dtype))
+  # Under a causal bound a head's last tiles see the most keys: with one CTA per tile they go
+  # first, and the short ones fill the tail (a shortest-first order left the 16k causal grid's
+  # last wave ~7% long in a list-scheduling model).
+  sched = common.backward_schedule(num_q_tiles, dims.num_q_heads, dims.batch, rows,
+                                   steps=pl.cdiv(k.shape[1], cfg.block_kv),
+                                   stages=cfg.dq_stages, opts=opts,
+                                   descending=opts.mask.upper is not None)
   out = common.launch(
-      functools.partial(_entry, dims=dims, num_q_tiles=num_q_tiles, opts=opts), q, k, v, do,
-      lse_log2, delta,
-      *masks.arrays(), out_type=out_type,
-      grid=(num_q_tiles, dims.num_q_heads, dims.batch), grid_names=("q_tile", "head", "batch"),
+      functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
+      delta, *masks.arrays(), out_type=out_type, grid=(sched.num_ctas,), grid_names=("cta",),
       name="flash_attn_hopper_dq", interpret=opts.interpret)
   if opts.bias_grad:
     dq_out, ds = out
