@@ -319,14 +319,26 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
     (256, False): BackwardConfig(dq_num_stages=1), (256, True): BackwardConfig(dq_num_stages=1),
 }
 
-#: The dQ and dK/dV kernels run on persistent CTAs (`scheduler`: a CTA per SM looping over
-#: tiles, mirror pairs under causal) when a tile streams at most this many ring steps, its
-#: ring has at least two stages, and neither a bias nor segment ids come along; otherwise one
-#: CTA per tile (`kernels/common.backward_schedule`). On the H200 (2026-12-02, bf16 fwd+bwd,
-#: `scripts/ab_backward_schedule.py`, every tile persistent against one CTA per tile, ratio
-#: to cuDNN): 1k, where tiles take 8–16 steps, gained 6–10% at D 64 causal and D 128; 4k and
-#: 16k (32–256 steps) lost up to 7%, and D 256, whose dQ ring has one stage, up to 14% in dQ.
-PERSISTENT_BACKWARD_MAX_STEPS = 16
+# The most ring steps a tile may stream for a backward kernel to run on persistent CTAs
+# (`scheduler`: a CTA per SM looping over tiles, mirror pairs under causal), keys (kernel,
+# head_dim, is_causal: a causal bound with no window on the left); past it, and for any key
+# not here, one CTA per tile (`kernels/common.backward_schedule`). A dQ tile streams
+# S / block_kv steps, a dK/dV tile group · T / block_q. Neither a bias nor segment ids go
+# persistent, nor a ring of one stage (D 256's dQ). Measured on an H200 with jax 0.11.2,
+# 2026-12-02, bf16 fwd+bwd, B·T = 16k, hidden 2048, each kernel's time from the same profile,
+# every tile persistent against one CTA per tile, by
+#   PYTHONPATH=. python3 scripts/ab_backward_schedule.py 64,128 1024,2048,4096 bfloat16
+# (bench/results/h200_backward_schedule_ab.log):
+#   causal: dK/dV gained 2–9% at 1k, 2k and 4k (16–64 steps); dQ gained 3–11% at 1k and 2k
+#     and lost ~1% at 4k; at 16k (256 steps) fwd+bwd lost 1–4% (seventeenth session);
+#   not causal, D 128: dK/dV gained 2–5% at 1k and 2k and nothing at 4k (two runs: 1.728
+#     and 1.742 ms persistent against 1.763, 1.735 and 1.713 per tile); dQ gained 3% at 1k
+#     only and lost 2–4% past it;
+#   not causal, D 64: dQ lost 4–10%, dK/dV 0–4%.
+PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
+    ("dq", 64, True): 32, ("dq", 128, True): 32, ("dq", 128, False): 16,
+    ("dkv", 64, True): 64, ("dkv", 128, True): 64, ("dkv", 128, False): 32,
+}
 
 # Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many
 # queries on, config). At D 128 causal the third stage pays at 1k and 4k but not at 16k: in

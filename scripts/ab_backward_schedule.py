@@ -1,8 +1,8 @@
 """A/B on a Hopper GPU: the backward kernels' schedule (`kernels/common.backward_schedule`),
-three sides compiled in one process by swapping `config.PERSISTENT_BACKWARD_MAX_STEPS`:
-per_tile (0: one CTA per tile), tuned (the module's value) and persistent (every tile on
-persistent CTAs), interleaved with cuDNN on the same inputs, CUPTI device time:
-  PYTHONPATH=. python3 scripts/ab_backward_schedule.py [head dims] [seq lens] [dtype]
+up to three sides compiled in one process by swapping `config.PERSISTENT_BACKWARD_MAX_STEPS`:
+per_tile (an empty table: one CTA per tile), tuned (the module's table) and persistent (every
+tile on persistent CTAs), interleaved with cuDNN on the same inputs, CUPTI device time:
+  PYTHONPATH=. python3 scripts/ab_backward_schedule.py [head dims] [seq lens] [dtype] [sides]
 e.g. `64,128 1024,2048,4096 bfloat16`. B·T = 16k tokens, hidden 2048, causal and not. Times
 fwd+bwd (a jitted value_and_grad with a random cotangent), and the dQ and dK/dV kernels
 alone from the profile. Prints each side's median ms (best of 3 rounds of 10-run medians),
@@ -14,10 +14,13 @@ import flash_attn_hopper as fah
 from flash_attn_hopper import config as config_lib
 
 TUNED = config_lib.PERSISTENT_BACKWARD_MAX_STEPS
-SIDES = {"per_tile": 0, "tuned": TUNED, "persistent": 1 << 30}
 dims = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "64,128").split(",")]
 seqs = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "1024,2048,4096").split(",")]
 dtype = jnp.dtype(sys.argv[3] if len(sys.argv) > 3 else "bfloat16")
+ALWAYS = {(kernel, d, causal): 1 << 30 for kernel in ("dq", "dkv") for d in dims
+          for causal in (False, True)}
+SIDES = {"per_tile": {}, "tuned": TUNED, "persistent": ALWAYS}
+SIDES = {n: SIDES[n] for n in (sys.argv[4] if len(sys.argv) > 4 else ",".join(SIDES)).split(",")}
 
 
 def timings(fn, *a):
@@ -50,10 +53,11 @@ def cell(d, t, causal):
                         dout).lower(q, k, v).compile()
   config_lib.PERSISTENT_BACKWARD_MAX_STEPS = TUNED
   grads = {n: fns[n](q, k, v)[1] for n in SIDES}
-  same = all(bool(jnp.all(a == b)) for n in SIDES for a, b in zip(grads[n], grads["tuned"]))
+  first = next(iter(SIDES))
+  same = all(bool(jnp.all(a == b)) for n in SIDES for a, b in zip(grads[n], grads[first]))
   ref = fns["cudnn"](q, k, v)[1]
   err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-            for a, r in zip(grads["tuned"], ref))
+            for a, r in zip(grads[first], ref))
   best = {n: (float("inf"), {}) for n in fns}
   for _ in range(3):
     for n, f in fns.items():

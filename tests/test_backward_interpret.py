@@ -131,9 +131,11 @@ def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, is
   original = common.backward_schedule
   spy = lambda *a, **kw: schedules.append(original(*a, **kw)) or schedules[-1]
   monkeypatch.setattr(common, "backward_schedule", spy)
+  always = {(kernel, 64, is_causal): 1 << 30 for kernel in ("dq", "dkv")}
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", always)
   persistent = _grads(q, k, v, dout, is_causal=is_causal)
   assert [s.persistent and s.num_ctas == 2 for s in schedules] == [True, True]  # dQ, dK/dV
-  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", 0)
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {})
   per_tile = _grads(q, k, v, dout, is_causal=is_causal)
   assert len(schedules) == 4 and not any(s.persistent for s in schedules[2:])
   for a, b in zip(persistent, per_tile):

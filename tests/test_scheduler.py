@@ -1,4 +1,5 @@
-"""The tile schedules cover every (batch, head, Q tile) exactly once."""
+"""The tile schedules cover every (batch, head, Q tile) exactly once, and the backward kernels
+take the persistent ones where the tuned table says."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import collections
 
 import pytest
 
+from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import masking
 from flash_attn_hopper import scheduler
+from flash_attn_hopper.kernels import common
 
 
 def _tiles(sched):
@@ -70,3 +74,30 @@ def test_one_cta_per_tile(descending):
   assert all(count == 1 for count in seen.values())
   first = [int(sched.tile(cta, 0).row0) // 64 for cta in range(4)]  # One head's tiles.
   assert first == ([3, 2, 1, 0] if descending else [0, 1, 2, 3])
+
+
+def _backward_opts(is_causal=False, **kw):
+  return common.BackwardOptions(scale=0.125, mask=masking.MaskSpec(is_causal=is_causal),
+                                config=config_lib.BackwardConfig(), max_ctas=132, **kw)
+
+
+@pytest.mark.parametrize("kernel, d, causal, steps, persistent", [
+    ("dq", 128, True, 32, True), ("dq", 128, True, 33, False),
+    ("dq", 128, False, 16, True), ("dq", 128, False, 32, False),
+    ("dkv", 64, True, 64, True), ("dkv", 64, False, 8, False),
+    ("dkv", 96, True, 8, False),  # A head dim the table has not measured.
+])
+def test_backward_schedule_follows_the_tuned_table(kernel, d, causal, steps, persistent):
+  sched = common.backward_schedule(kernel, 8, 4, 2, 128, steps=steps, stages=2, head_dim=d,
+                                   opts=_backward_opts(causal))
+  assert sched.persistent == persistent
+  assert sched.paired == (persistent and causal)
+
+
+@pytest.mark.parametrize("why", ["one_stage", "bias", "segments"])
+def test_backward_schedule_keeps_one_cta_per_tile(why):
+  kw = {"bias": dict(bias=(False, False)), "segments": dict(segments=True)}.get(why, {})
+  sched = common.backward_schedule("dkv", 8, 4, 2, 128, steps=8,
+                                   stages=1 if why == "one_stage" else 2, head_dim=64,
+                                   opts=_backward_opts(True, **kw))
+  assert not sched.persistent and sched.num_ctas == 8 * 4 * 2

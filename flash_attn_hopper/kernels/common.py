@@ -102,21 +102,23 @@ class BackwardOptions(AttentionOptions):
   config: config_lib.BackwardConfig
 
 
-def backward_schedule(num_tiles: int, num_heads: int, batch: int, rows_per_tile: int, *,
-                      steps: int, stages: int, opts: BackwardOptions,
+def backward_schedule(kernel: str, num_tiles: int, num_heads: int, batch: int,
+                      rows_per_tile: int, *, steps: int, stages: int, head_dim: int,
+                      opts: BackwardOptions,
                       descending: bool = False) -> scheduler.TileScheduler:
-  """The tile schedule of a backward kernel whose tiles stream at most `steps` ring steps
-  through `stages` slots: persistent CTAs where that paid on the H200
-  (`config.PERSISTENT_BACKWARD_MAX_STEPS`), mirror pairs under a causal bound; else one CTA
-  per tile (`descending`: a head's last tile first). A bias's sparse stream and segment ids
-  keep one CTA per tile, as does `BackwardConfig.fused_dq`."""
-  persistent = (steps <= config_lib.PERSISTENT_BACKWARD_MAX_STEPS and stages >= 2
+  """The tile schedule of backward kernel `kernel` ("dq" or "dkv"), whose tiles stream at
+  most `steps` ring steps through `stages` slots: persistent CTAs where that paid on the
+  H200 (`config.PERSISTENT_BACKWARD_MAX_STEPS`), mirror pairs under a causal bound; else
+  one CTA per tile (`descending`: a head's last tile first). A bias's sparse stream,
+  segment ids and `BackwardConfig.fused_dq` keep one CTA per tile."""
+  paired = opts.mask.upper is not None and opts.mask.left is None
+  limit = config_lib.PERSISTENT_BACKWARD_MAX_STEPS.get((kernel, head_dim, paired), 0)
+  persistent = (steps <= limit and stages >= 2
                 and not (opts.bias or opts.segments or opts.config.fused_dq))
   if not persistent:
     return scheduler.per_tile(num_tiles, num_heads, batch, rows_per_tile, descending)
   return scheduler.make(num_tiles, num_heads, batch, rows_per_tile,
-                        max_ctas=opts.max_ctas or hardware.num_sms(),
-                        paired=opts.mask.upper is not None and opts.mask.left is None)
+                        max_ctas=opts.max_ctas or hardware.num_sms(), paired=paired)
 
 
 def keys_of(batch, kv_lens_ref, dims: Dims):

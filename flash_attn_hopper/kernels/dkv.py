@@ -1,6 +1,7 @@
 """The dK/dV kernel: for a tile of keys, stream every query block that sees them.
 
-A CTA owns 2·block_kv keys of one (batch, KV head): each compute warpgroup keeps block_kv keys
+A tile is 2·block_kv keys of one (batch, KV head), and a CTA runs one tile or, on persistent
+CTAs, several (`common.backward_schedule`): each compute warpgroup keeps block_kv keys
 of K and V in shared memory and their dK and dV accumulators in registers, while the producer
 streams Q, dO, the LSE and δ of every query block of every query head in the KV head's group
 (GQA sums over the group here, in a fixed order, so the result is deterministic):
@@ -429,9 +430,9 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   # Under causal the first key tiles see the most queries, so one CTA per tile runs them
   # first as it is; persistent CTAs pair them with their mirrors.
-  sched = common.backward_schedule(num_kv_tiles, dims.num_kv_heads, dims.batch, keys,
+  sched = common.backward_schedule("dkv", num_kv_tiles, dims.num_kv_heads, dims.batch, keys,
                                    steps=dims.group * pl.cdiv(q.shape[1], cfg.block_q),
-                                   stages=cfg.num_stages, opts=opts)
+                                   stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts)
   return common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
       delta, *masks.arrays(), *([] if dq_acc is None else [dq_acc]), out_type=out_type,

@@ -1,8 +1,10 @@
 """The dQ kernel: for a tile of queries, stream the K/V blocks it saw in the forward.
 
-A CTA owns 2·block_q query rows of one (batch, query head), like the forward: each compute
+A tile is 2·block_q query rows of one (batch, query head), like the forward's: each compute
 warpgroup loads its Q, dO, LSE and δ once, and the producer streams K and V through the same
-ring as the forward's, over the same KV block range (`masking.kv_block_range`):
+ring as the forward's, over the same KV block range (`masking.kv_block_range`). A CTA runs
+one tile, or on persistent CTAs several (`common.backward_schedule`), the ring running on
+across them and the next tile's loads going under the epilogue:
 
     per KV block:
       S = Q Kᵀ, dP = dO Vᵀ      issued together
@@ -383,9 +385,9 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
   # Under a causal bound a head's last tiles see the most keys: with one CTA per tile they go
   # first, and the short ones fill the tail (a shortest-first order left the 16k causal grid's
   # last wave ~7% long in a list-scheduling model).
-  sched = common.backward_schedule(num_q_tiles, dims.num_q_heads, dims.batch, rows,
+  sched = common.backward_schedule("dq", num_q_tiles, dims.num_q_heads, dims.batch, rows,
                                    steps=pl.cdiv(k.shape[1], cfg.block_kv),
-                                   stages=cfg.dq_stages, opts=opts,
+                                   stages=cfg.dq_stages, head_dim=dims.head_dim, opts=opts,
                                    descending=opts.mask.upper is not None)
   out = common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
