@@ -364,6 +364,41 @@ def walk_head_runs(num_heads: int, steps_per_head, blocks_of, step, carry):
   return lax.fori_loop(0, num_heads, head, carry)
 
 
+def issue_tile_loads(copies, tile_ready, wg, which=None):
+  """Starts a compute warpgroup's per-tile TMA loads: `copies` are (source, destination)
+  pairs, copy i on barrier len(copies)·wg + i of `tile_ready`; all of them, or the indices
+  `which`."""
+  n = len(copies)
+  for i in range(n) if which is None else which:
+    src, dst = copies[i]
+    plgpu.copy_gmem_to_smem(src, dst, tile_ready.at[n * wg + i])
+
+
+def wait_tile_loads(tile_ready, wg, count: int):
+  """Waits for the `count` per-tile loads of compute warpgroup `wg` (`issue_tile_loads`)."""
+  for i in range(count):
+    plgpu.barrier_wait(tile_ready.at[count * wg + i])
+
+
+def produce_tiles(sched, tile_streams: Callable, drain_streams, num_stages: int,
+                  bias: bool = False):
+  """The producer warpgroup of a CTA that runs the tiles `sched` deals it, its rings running
+  on across them: `tile_streams(tile, ring)` gives a tile's `pipeline.Stream`s, how many
+  steps it streams, and a function that returns the `pipeline.Ring` after it (called once
+  they are streamed); `drain_streams` are the streams to drain at the end (`bias`: with a
+  sparse bias stream, whose positions `Ring.bias` counts)."""
+  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
+  cta = lax.axis_index("cta")
+
+  def tile_body(i, ring: pipeline.Ring):
+    streams, num_steps, after = tile_streams(sched.tile(cta, i), ring)
+    pipeline.produce(streams, ring.kv, num_steps, num_stages)
+    return after()
+
+  total = lax.fori_loop(0, sched.items_of(cta), tile_body, pipeline.Ring.start(bias=bias))
+  pipeline.drain(drain_streams, total.kv, num_stages, sparse_total=total.bias)
+
+
 def producer(streams, num_steps, num_stages: int, sparse_total=None):
   """A producer warpgroup that streams one tile's blocks and exits (`sparse_total`: the
   blocks a sparse stream copies, see `pipeline.drain`)."""

@@ -248,9 +248,8 @@ def _issue_tile_loads(wg, tile: _Tile, refs: _Refs, tile_ready, opts):
             (refs.v.at[tile.batch, rows, tile.kv_head], refs.v_smem.at[wg])]
   if opts.segments:
     copies.append((refs.masks.kv_ids.at[tile.batch, rows], refs.k_ids_smem.at[wg]))
-  n = _tile_copies(opts)
-  for i, (src, dst) in enumerate(copies):
-    plgpu.copy_gmem_to_smem(src, dst, tile_ready.at[n * wg + i])
+  assert len(copies) == _tile_copies(opts)
+  common.issue_tile_loads(copies, tile_ready, wg)
 
 
 def _attend_tile(wg, tile: _Tile, ring0, refs: _Refs, streams, tile_ready, dims, opts,
@@ -259,9 +258,7 @@ def _attend_tile(wg, tile: _Tile, ring0, refs: _Refs, streams, tile_ready, dims,
   landed: every step of every query head in the group. `persistent`: the next tile's loads
   may land in the buffers read here."""
   cfg = opts.config
-  n = _tile_copies(opts)
-  for i in range(n):
-    plgpu.barrier_wait(tile_ready.at[n * wg + i])
+  common.wait_tile_loads(tile_ready, wg, _tile_copies(opts))
   # The keys' ids, per row of a (keys, queries) block.
   k_ids = plgpu.load(refs.k_ids_smem.at[wg], layout=common.ROWS) if opts.segments else None
   if persistent and opts.segments:  # The next tile's ids land here by TMA.
@@ -302,39 +299,34 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
   tile_of = lambda i: _tile(sched.tile(cta, i), refs.masks, dims, opts)
   _issue_tile_loads(wg, tile_of(0), refs, tile_ready, opts)
 
-  def tile_body(i, ring0):
+  def tile_body(i, ring: pipeline.Ring):
     tile = tile_of(i)
     streams = query_streams(tile, refs, ring_barriers, dims, opts)
-    dk, dv = _attend_tile(wg, tile, ring0, refs, streams, tile_ready, dims, opts,
+    dk, dv = _attend_tile(wg, tile, ring.kv, refs, streams, tile_ready, dims, opts,
                           sched.persistent)
     _store(wg, dk, dv, tile, refs, dims, opts)
     if sched.persistent:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       pl.when(i + 1 < num_items)(
           lambda: _issue_tile_loads(wg, tile_of(i + 1), refs, tile_ready, opts))
-    return ring0 + dims.group * tile.steps_per_head
+    return ring.advance(dims.group * tile.steps_per_head)
 
-  lax.fori_loop(0, num_items, tile_body, jnp.int32(0))
+  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start())
   plgpu.wait_smem_to_gmem(0)
 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
   """Streams each tile's query blocks through the ring, which runs on across the CTA's
   tiles."""
-  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
-  cta = lax.axis_index("cta")
-
-  def tile_body(i, ring0):
-    tile = _tile(sched.tile(cta, i), refs.masks, dims, opts)
+  def tile_streams(item: scheduler.Tile, ring: pipeline.Ring):
+    tile = _tile(item, refs.masks, dims, opts)
     num_steps = dims.group * tile.steps_per_head
-    pipeline.produce(query_streams(tile, refs, ring_barriers, dims, opts), ring0, num_steps,
-                     opts.config.num_stages)
-    return ring0 + num_steps
+    streams = query_streams(tile, refs, ring_barriers, dims, opts)
+    return streams, num_steps, lambda: ring.advance(num_steps)
 
-  total = lax.fori_loop(0, sched.items_of(cta), tile_body, jnp.int32(0))
-  # The streams' sources are not read here (no tile).
-  pipeline.drain(query_streams(None, refs, ring_barriers, dims, opts), total,
-                 opts.config.num_stages)
+  # The drained streams' sources are not read (no tile).
+  common.produce_tiles(sched, tile_streams, query_streams(None, refs, ring_barriers, dims, opts),
+                       opts.config.num_stages)
 
 
 def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:

@@ -175,16 +175,14 @@ def _issue_tile_loads(wg, tile: scheduler.Tile, refs: _Refs, tile_ready, opts, w
   """Starts the loads `which` (indices, `_Q_LOAD` first) of this warpgroup's rows of `tile`:
   Q, dO, the LSE and δ (and their segment ids), each on its own barrier."""
   rows = pl.ds(tile.row0 + wg * opts.config.block_q, opts.config.block_q)
-  copies = [(refs.q.at[tile.batch, rows, tile.head], refs.q_smem),
-            (refs.do.at[tile.batch, rows, tile.head], refs.do_smem),
-            (refs.lse.at[tile.batch, tile.head, rows], refs.lse_smem),
-            (refs.delta.at[tile.batch, tile.head, rows], refs.delta_smem)]
+  copies = [(refs.q.at[tile.batch, rows, tile.head], refs.q_smem.at[wg]),
+            (refs.do.at[tile.batch, rows, tile.head], refs.do_smem.at[wg]),
+            (refs.lse.at[tile.batch, tile.head, rows], refs.lse_smem.at[wg]),
+            (refs.delta.at[tile.batch, tile.head, rows], refs.delta_smem.at[wg])]
   if opts.segments:
-    copies.append((refs.masks.q_ids.at[tile.batch, rows], refs.q_ids_smem))
-  n = _tile_copies(opts)
-  for i in which:
-    src, dst = copies[i]
-    plgpu.copy_gmem_to_smem(src, dst.at[wg], tile_ready.at[n * wg + i])
+    copies.append((refs.masks.q_ids.at[tile.batch, rows], refs.q_ids_smem.at[wg]))
+  assert len(copies) == _tile_copies(opts)
+  common.issue_tile_loads(copies, tile_ready, wg, which)
 
 
 def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: pipeline.Ring,
@@ -193,9 +191,7 @@ def _attend_tile(wg, tile: scheduler.Tile, cta: masking.BlockRange, ring: pipeli
   own blocks of the CTA's [cta.first, cta.end), the others released (as in the forward).
   `persistent`: the next tile's loads may land in the buffers read here."""
   cfg = opts.config
-  n = _tile_copies(opts)
-  for i in range(n):
-    plgpu.barrier_wait(tile_ready.at[n * wg + i])
+  common.wait_tile_loads(tile_ready, wg, _tile_copies(opts))
   q0 = tile.row0 + wg * cfg.block_q
   k_s, *extra, v_s = streams  # K, (the keys' ids,) (the bias,) V
   ids_s = extra.pop(0) if opts.segments else None
@@ -310,21 +306,15 @@ def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
   """Streams each tile's KV blocks through the ring, which runs on across the CTA's tiles."""
-  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
-  cta = lax.axis_index("cta")
-
-  def tile_body(i, ring: pipeline.Ring):
-    tile = sched.tile(cta, i)
+  def tile_streams(tile: scheduler.Tile, ring: pipeline.Ring):
     blocks = _cta_kv_blocks(tile, common.keys_of(tile.batch, refs.masks.kv_lens, dims), refs,
                             opts)
     streams = _streams(tile, blocks, ring, refs, ring_barriers, dims, opts)
-    pipeline.produce(streams, ring.kv, blocks.end - blocks.first, opts.config.dq_stages)
-    return ring.after(blocks)
+    return streams, blocks.end - blocks.first, lambda: ring.after(blocks)
 
-  total = lax.fori_loop(0, sched.items_of(cta), tile_body,
-                        pipeline.Ring.start(bias=bool(opts.bias)))
-  pipeline.drain(_streams(None, None, None, refs, ring_barriers, dims, opts), total.kv,
-                 opts.config.dq_stages, sparse_total=total.bias)
+  common.produce_tiles(sched, tile_streams,
+                       _streams(None, None, None, refs, ring_barriers, dims, opts),
+                       opts.config.dq_stages, bias=bool(opts.bias))
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):

@@ -502,14 +502,10 @@ def _store_tile(wg, out, lse, tile: scheduler.Tile, refs: _Refs, dims: common.Di
 
 
 def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts):
-  plgpu.set_max_registers(pipeline.PRODUCER_REGISTERS, action="decrease")
   cfg = opts.config
-  cta = lax.axis_index("cta")
-  group = dims.group
 
-  def tile_body(i, ring: pipeline.Ring):
-    tile = sched.tile(cta, i)
-    kv_head = tile.head // group  # GQA: no repeated K/V.
+  def tile_streams(tile: scheduler.Tile, ring: pipeline.Ring):
+    kv_head = tile.head // dims.group  # GQA: no repeated K/V.
     blocks = _cta_kv_blocks(tile, refs, dims, opts)
     block_of = _stream_order(blocks, opts)
     rows = lambda step: pl.ds(block_of(step) * cfg.block_kv, cfg.block_kv)
@@ -524,15 +520,14 @@ def _producer_warpgroup(refs: _Refs, bars: pipeline.Barriers, sched, dims, opts)
                               # No tile where the bias is zero for every row of the CTA.
                               *blocks.edge_steps(first=blocks.first, base=ring.bias),
                               cfg.bias_num_stages)
-    pipeline.produce(streams, ring.kv, blocks.end - blocks.first, cfg.num_stages)
-    return ring.after(blocks)
+    return streams, blocks.end - blocks.first, lambda: ring.after(blocks)
 
-  total = lax.fori_loop(0, sched.items_of(cta), tile_body,
-                        pipeline.Ring.start(bias=bool(opts.bias)))
-  pipeline.drain(bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring,
-                                 None, refs.bias_ring, bias_position=lambda step: step,
-                                 bias_stages=cfg.bias_num_stages),
-                 total.kv, cfg.num_stages, sparse_total=total.bias)
+  common.produce_tiles(
+      sched, tile_streams,
+      bars.kv_streams(None, None, refs.k_smem, refs.v_smem, None, refs.ids_ring, None,
+                      refs.bias_ring, bias_position=lambda step: step,
+                      bias_stages=cfg.bias_num_stages),
+      cfg.num_stages, bias=bool(opts.bias))
 
 
 def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims, opts):
