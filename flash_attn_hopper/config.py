@@ -335,9 +335,14 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 #     and 1.742 ms persistent against 1.763, 1.735 and 1.713 per tile); dQ gained 3% at 1k
 #     only and lost 2–4% past it;
 #   not causal, D 64: dQ lost 4–10%, dK/dV 0–4%.
+# D 256's split dK/dV kernel (`kernels/dkv_split.py`, one 64-key block a tile), 2026-12-02,
+# same setup, by `... ab_backward_schedule.py 256 1024,2048,4096 bfloat16 per_tile,persistent`
+# (bench/results/h200_dkv_split_persistent_ab.log): dK/dV gained at 16, 32 and 64 steps, not
+# causal 3.3%, 1.9%, 1.9%, causal 4.8%, 4.1%, 2.4% (fwd+bwd 0.7–1.7 points of cuDNN).
 PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
     ("dq", 64, True): 32, ("dq", 128, True): 32, ("dq", 128, False): 16,
     ("dkv", 64, True): 64, ("dkv", 128, True): 64, ("dkv", 128, False): 32,
+    ("dkv", 256, True): 64, ("dkv", 256, False): 64,
 }
 
 # Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many

@@ -114,27 +114,33 @@ def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
   testing.check_gradients(grads, q, k, v, dout, is_causal=True)
 
 
+@pytest.mark.parametrize("head_dim", (64, 256))
 @pytest.mark.parametrize("is_causal", (False, True))
-def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, is_causal):
+def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, is_causal,
+                                                            head_dim):
   """The backward kernels on persistent CTAs (two when interpreting, each running several
-  tiles of both kernels, mirror pairs under causal) against one CTA per tile."""
+  tiles of both kernels, mirror pairs under causal) against one CTA per tile. At D 256 the
+  dK/dV kernel is the split one (`kernels/dkv_split.py`), and dQ, whose ring has one stage,
+  keeps one CTA per tile."""
   from flash_attn_hopper import config as config_lib
   from flash_attn_hopper.kernels import common
 
   # Even tile counts along T and S (so causal's pairs are dealt to the two CTAs), neither a
   # whole number of tiles.
-  w = workloads.Workload("gqa_480_d64", batch=1, seq_q=480, seq_kv=480, num_q_heads=4,
-                         num_kv_heads=2, head_dim=64)
+  w = workloads.Workload(f"gqa_480_d{head_dim}", batch=1, seq_q=480, seq_kv=480,
+                         num_q_heads=4, num_kv_heads=2, head_dim=head_dim)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
   schedules = []
   original = common.backward_schedule
   spy = lambda *a, **kw: schedules.append(original(*a, **kw)) or schedules[-1]
   monkeypatch.setattr(common, "backward_schedule", spy)
-  always = {(kernel, 64, is_causal): 1 << 30 for kernel in ("dq", "dkv")}
+  always = {(kernel, head_dim, is_causal): 1 << 30 for kernel in ("dq", "dkv")}
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", always)
   persistent = _grads(q, k, v, dout, is_causal=is_causal)
-  assert [s.persistent and s.num_ctas == 2 for s in schedules] == [True, True]  # dQ, dK/dV
+  dq_persistent = head_dim < config_lib.SPLIT_DKV_HEAD_DIM
+  assert [s.persistent for s in schedules] == [dq_persistent, True]  # dQ, dK/dV
+  assert all(s.num_ctas == 2 for s in schedules if s.persistent)
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {})
   per_tile = _grads(q, k, v, dout, is_causal=is_causal)
   assert len(schedules) == 4 and not any(s.persistent for s in schedules[2:])

@@ -114,3 +114,18 @@ def test_the_detector_finds_a_missing_proxy_fence(rng, capsys, monkeypatch):
   out = capsys.readouterr().out
   assert RACE in out and "bias_tile" in out, out[-2000:]
 
+
+
+@pytest.mark.usefixtures("detect_races")
+@pytest.mark.parametrize("d", (64, 256))
+def test_persistent_backward_is_race_free(rng, capsys, monkeypatch, d):
+  """The backward kernels on persistent CTAs, each running a causal mirror pair of tiles
+  (at D 256 the split dK/dV kernel): the next tile's K and V (Q, dO, the LSE and δ in dQ)
+  land by TMA in buffers the last tile read and stored from."""
+  from flash_attn_hopper import config as config_lib
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS",
+                      {(kernel, d, True): 1 << 30 for kernel in ("dq", "dkv")})
+  q, k, v = _inputs(rng, 256, 256, d)
+  _run(q, k, v, True, is_causal=True)
+  out = capsys.readouterr().out
+  assert RACE not in out, out[out.index(RACE):][:3000]

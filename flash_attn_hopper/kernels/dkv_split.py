@@ -2,10 +2,12 @@
 
 `dkv` gives each compute warpgroup its own block of keys and both of their accumulators,
 dK and dV, (block_kv, D) float32 each: at D 256 that is 2 × 128 registers a thread, over the
-232 it has. Here a CTA owns ONE block of 64 keys of one (batch, KV head), and each compute
-warpgroup keeps one accumulator. The producer streams Q, dO, the LSE and δ of every query
-block of every query head of the KV head's group, as in `dkv` (GQA is summed here, in a
-fixed order: deterministic); both compute warpgroups read every slot of that ring:
+232 it has. Here a tile is ONE block of 64 keys of one (batch, KV head), and each compute
+warpgroup keeps one accumulator. A CTA runs one tile or, on persistent CTAs, several
+(`common.backward_schedule`), its ring and Pᵀ slots running on across them. The producer
+streams Q, dO, the LSE and δ of every query block of every query head of the KV head's
+group, as in `dkv` (GQA is summed here, in a fixed order: deterministic); both compute
+warpgroups read every slot of that ring:
 
     per step (query head h, query block j):
       warpgroup 0 (dV)                       warpgroup 1 (dK)
@@ -59,6 +61,7 @@ from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import hardware
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
+from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 from flash_attn_hopper.kernels import dkv as dkv_kernel
@@ -191,13 +194,12 @@ def _may_mask(opts) -> bool:
   return opts.mask.banded or opts.kv_lens or opts.segments or bool(opts.bias)
 
 
-def _tile(masks: common.MaskInputs, dims: common.Dims, opts) -> _Tile:
+def _tile(item: scheduler.Tile, masks: common.MaskInputs, dims: common.Dims, opts) -> _Tile:
+  """The scheduler's work item `item` (its rows are keys, its head a KV head) as a tile."""
   cfg = opts.config
-  batch = lax.axis_index("batch")
-  key0 = lax.axis_index("kv_tile") * BLOCK_KV
+  batch, kv_head, key0 = item.batch, item.head, item.row0
   seq_kv = common.keys_of(batch, masks.kv_lens, dims)
   blocks = masking.q_block_range(opts.mask, key0, BLOCK_KV, dims.seq_q, cfg.block_q)
-  kv_head = lax.axis_index("kv_head")
   if opts.segments:  # Only the query blocks that share a segment with the keys.
     blocks = blocks.intersect(masking.BlockRange.read(masks.spans, batch, key0 // BLOCK_KV))
   if opts.bias:  # And that a mask leaves visible to some query head of the group.
@@ -273,39 +275,43 @@ def _split_streams(streams, opts):
   return q_s, do_s, lse_s, delta_s, ids_s, (extra.pop(0) if opts.bias else None)
 
 
-def _hand_over_p(step, pt, refs: _Refs, pbar: _PBarriers):
-  """Warpgroup 0's side: writes step `step`'s Pᵀ into its slot once the slot's previous Pᵀ
-  (step − P_SLOTS) was read, and signals it."""
-  slot = step % P_SLOTS
+def _hand_over_p(step, ring0, pt, refs: _Refs, pbar: _PBarriers):
+  """Warpgroup 0's side: writes the tile's step `step` (ring position ring0 + step) Pᵀ into
+  its slot once the slot's previous Pᵀ (step − P_SLOTS) was read, and signals it. (The
+  previous tile's last reads were observed at its end, `_observe_last_reads`.)"""
+  slot = (ring0 + step) % P_SLOTS
   pl.when(step >= P_SLOTS)(lambda: plgpu.barrier_wait(pbar.consumed.at[slot]))
   refs.p_smem.at[slot][...] = pt.astype(P_DTYPE)
   plgpu.barrier_arrive(pbar.ready.at[slot])
 
 
-def _take_p(step, refs: _Refs, pbar: _PBarriers):
-  """Warpgroup 1's side: waits for step `step`'s Pᵀ, reads it (float32) and frees its slot."""
-  slot = step % P_SLOTS
+def _take_p(position, refs: _Refs, pbar: _PBarriers):
+  """Warpgroup 1's side: waits for the Pᵀ of ring position `position`, reads it (float32)
+  and frees its slot."""
+  slot = position % P_SLOTS
   plgpu.barrier_wait(pbar.ready.at[slot])
   pt = refs.p_smem.at[slot][...].astype(jnp.float32)
   plgpu.barrier_arrive(pbar.consumed.at[slot])
   return pt
 
 
-def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, opts,
+def _dv_step(step, dv, *, tile: _Tile, ring0, k_ids, refs: _Refs, streams, pbar, dims, opts,
              masked: bool):
-  """Warpgroup 0, ring step `step`: Sᵀ, Pᵀ (masked when `masked`) handed over, dV += Pᵀ dO."""
+  """Warpgroup 0, the tile's step `step` (ring position ring0 + step): Sᵀ, Pᵀ (masked when
+  `masked`) handed over, dV += Pᵀ dO."""
   cfg = opts.config
-  slot = pipeline.slot_of(step, cfg.num_stages)
+  position = ring0 + step
+  slot = pipeline.slot_of(position, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
   stages = cfg.num_stages
-  _wait_ready(streams, step, stages)
+  _wait_ready(streams, position, stages)
   st = common.matmul(refs.k_smem, refs.q_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
-  _release((q_s,), step, stages)  # Warpgroup 0 reads Q for Sᵀ only.
+  _release((q_s,), position, stages)  # Warpgroup 0 reads Q for Sᵀ only.
   mask_t = None  # A mask's tile comes on masked steps only (`_mask_stream`).
   if masked and mask_s is not None:
-    mask_slot = pipeline.stream_slot(mask_s, step, stages)
+    mask_slot = pipeline.stream_slot(mask_s, position, stages)
     mask_t = common.bias_values(refs.mask_ring.at[mask_slot, 0][...], opts)
-  _release((mask_s,), step, stages, loaded=mask_t is not None)
+  _release((mask_s,), position, stages, loaded=mask_t is not None)
   st, cap_grad = opts.logits.transform(st, mask_t)
   if masked:
     segments = None
@@ -315,53 +321,61 @@ def _dv_step(step, dv, *, tile: _Tile, k_ids, refs: _Refs, streams, pbar, dims, 
     st = masking.apply_element_mask(st, q0, tile.key0, tile.seq_kv if opts.kv_lens else None,
                                     opts.mask, key_axis=0, segments=segments)
   lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
-  _release((ids_s, lse_s, delta_s), step, stages, loaded=True)  # δ is warpgroup 1's.
+  _release((ids_s, lse_s, delta_s), position, stages, loaded=True)  # δ is warpgroup 1's.
 
   pt = softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1)
   # With a soft-cap, dSᵀ = Pᵀ ∘ cap' ∘ (dPᵀ − δ): warpgroup 1 gets Pᵀ ∘ cap'.
-  _hand_over_p(step, pt if cap_grad is None else pt * cap_grad, refs, pbar)
+  _hand_over_p(step, ring0, pt if cap_grad is None else pt * cap_grad, refs, pbar)
   staging = None if refs.staging is None else refs.staging.at[_Role.DV]
   dv = accumulate.matmul_accumulate(dv, pt.astype(dims.dtype), refs.do_ring.at[slot],
                                     staging=staging)
-  _release((do_s,), step, stages)
+  _release((do_s,), position, stages)
   return dv
 
 
-def _dk_step(step, dk, *, refs: _Refs, streams, pbar, dims, opts):
-  """Warpgroup 1, ring step `step`: dPᵀ, then Pᵀ from warpgroup 0; dK += dSᵀ Q."""
+def _dk_step(step, dk, *, ring0, refs: _Refs, streams, pbar, dims, opts):
+  """Warpgroup 1, the tile's step `step` (ring position ring0 + step): dPᵀ, then Pᵀ from
+  warpgroup 0; dK += dSᵀ Q."""
   cfg = opts.config
-  slot = pipeline.slot_of(step, cfg.num_stages)
+  position = ring0 + step
+  slot = pipeline.slot_of(position, cfg.num_stages)
   q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
   stages = cfg.num_stages
-  _wait_ready(streams, step, stages)
-  _release((lse_s, ids_s, mask_s), step, stages)  # Warpgroup 0's.
+  _wait_ready(streams, position, stages)
+  _release((lse_s, ids_s, mask_s), position, stages)  # Warpgroup 0's.
   dpt = common.matmul(refs.v_smem, refs.do_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
-  _release((do_s,), step, stages)
+  _release((do_s,), position, stages)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
-  _release((delta_s,), step, stages, loaded=True)
+  _release((delta_s,), position, stages, loaded=True)
   # After dPᵀ: freeing the Pᵀ slot also tells warpgroup 0 that this step's V read is done.
-  dst = softmax.logits_grad(_take_p(step, refs, pbar), dpt, delta, query_axis=1)
+  dst = softmax.logits_grad(_take_p(position, refs, pbar), dpt, delta, query_axis=1)
   staging = None if refs.staging is None else refs.staging.at[_Role.DK]
   dk = accumulate.matmul_accumulate(dk, dst.astype(dims.dtype), refs.q_ring.at[slot],
                                     staging=staging)
-  _release((q_s,), step, stages)
+  _release((q_s,), position, stages)
   return dk
 
 
 def _load_tile(role: _Role, tile: _Tile, refs: _Refs, tile_ready, opts):
-  """Each warpgroup issues the loads of what it reads (warpgroup 0: K and the keys' ids,
-  warpgroup 1: V), and both wait for all of them: each later writes its output over the
-  other's input (dK over K, dV over V), which must have landed even when no step runs."""
+  """Starts the tile loads a warpgroup owns: the buffer it writes its output through (warpgroup
+  0: V, then dV; warpgroup 1: K, then dK), so that on a persistent CTA it loads the next
+  tile's once its own store has read the buffer; warpgroup 0 also loads the keys' ids, which
+  it alone reads."""
   rows = pl.ds(tile.key0, BLOCK_KV)
   if role == _Role.DV:
-    plgpu.copy_gmem_to_smem(refs.k.at[tile.batch, rows, tile.kv_head], refs.k_smem,
-                            tile_ready.at[_TileLoad.K])
+    plgpu.copy_gmem_to_smem(refs.v.at[tile.batch, rows, tile.kv_head], refs.v_smem,
+                            tile_ready.at[_TileLoad.V])
     if opts.segments:
       plgpu.copy_gmem_to_smem(refs.masks.kv_ids.at[tile.batch, rows], refs.k_ids_smem,
                               tile_ready.at[_TileLoad.K_IDS])
   else:
-    plgpu.copy_gmem_to_smem(refs.v.at[tile.batch, rows, tile.kv_head], refs.v_smem,
-                            tile_ready.at[_TileLoad.V])
+    plgpu.copy_gmem_to_smem(refs.k.at[tile.batch, rows, tile.kv_head], refs.k_smem,
+                            tile_ready.at[_TileLoad.K])
+
+
+def _wait_tile(role: _Role, tile_ready, opts):
+  """Both warpgroups wait for K and V: each later writes its output over one of them (dK over
+  K, dV over V), which must have landed even when no step runs."""
   plgpu.barrier_wait(tile_ready.at[_TileLoad.K])
   plgpu.barrier_wait(tile_ready.at[_TileLoad.V])
   if opts.segments and role == _Role.DV:
@@ -373,7 +387,6 @@ def _store(acc, smem, dst, dtype):
   smem[...] = acc.astype(dtype)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem, dst)
-  plgpu.wait_smem_to_gmem(0)
 
 
 def _dv_loop(tile: _Tile, masks: common.MaskInputs, step, dv, dims, opts):
@@ -383,31 +396,36 @@ def _dv_loop(tile: _Tile, masks: common.MaskInputs, step, dv, dims, opts):
                                blocks if _may_mask(opts) else None, step, dv)
 
 
-def _dv_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
-  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
-  _load_tile(_Role.DV, tile, refs, tile_ready, opts)
-  # The keys' ids, per row of a (keys, queries) block.
-  k_ids = plgpu.load(refs.k_ids_smem, layout=common.ROWS) if opts.segments else None
-  step = functools.partial(_dv_step, tile=tile, k_ids=k_ids, refs=refs, streams=streams,
-                           pbar=pbar, dims=dims, opts=opts)
-  dv = _dv_loop(tile, refs.masks, step, common.zeros_accumulator((BLOCK_KV, dims.head_dim)),
-                dims, opts)
-
-  # Observe the last phase of each Pᵀ slot: warpgroup 1 then reads V no more.
-  num_steps = dims.group * tile.steps_per_head
+def _observe_last_reads(ring0, num_steps, pbar: _PBarriers):
+  """Warpgroup 0 observes the last phase of each Pᵀ slot of the tile: warpgroup 1 then
+  reads V no more (and the next tile's hand-overs start with free slots)."""
   @pl.loop(jnp.maximum(num_steps - P_SLOTS, 0), num_steps)
   def _last_reads(s):
-    plgpu.barrier_wait(pbar.consumed.at[s % P_SLOTS])
+    plgpu.barrier_wait(pbar.consumed.at[(ring0 + s) % P_SLOTS])
 
+
+def _dv_tile(tile: _Tile, ring0, refs: _Refs, streams, pbar, tile_ready, dims, opts,
+             persistent: bool):
+  _wait_tile(_Role.DV, tile_ready, opts)
+  # The keys' ids, per row of a (keys, queries) block.
+  k_ids = plgpu.load(refs.k_ids_smem, layout=common.ROWS) if opts.segments else None
+  if persistent and opts.segments:  # The next tile's ids land here by TMA.
+    pipeline.order_loads_before_tma()
+  step = functools.partial(_dv_step, tile=tile, ring0=ring0, k_ids=k_ids, refs=refs,
+                           streams=streams, pbar=pbar, dims=dims, opts=opts)
+  dv = _dv_loop(tile, refs.masks, step, common.zeros_accumulator((BLOCK_KV, dims.head_dim)),
+                dims, opts)
+  _observe_last_reads(ring0, dims.group * tile.steps_per_head, pbar)
   _store(dv, refs.v_smem, refs.dv.at[tile.batch, pl.ds(tile.key0, BLOCK_KV), tile.kv_head],
          dims.dtype)
 
 
-def _dk_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
-  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
-  _load_tile(_Role.DK, tile, refs, tile_ready, opts)
-  step = functools.partial(_dk_step, refs=refs, streams=streams, pbar=pbar, dims=dims,
-                           opts=opts)
+def _dk_tile(tile: _Tile, ring0, refs: _Refs, streams, pbar, tile_ready, dims, opts,
+             persistent: bool):
+  del persistent  # Warpgroup 1 reads nothing with loads that the next tile's TMA overwrites.
+  _wait_tile(_Role.DK, tile_ready, opts)
+  step = functools.partial(_dk_step, ring0=ring0, refs=refs, streams=streams, pbar=pbar,
+                           dims=dims, opts=opts)
   dk = lax.fori_loop(0, dims.group * tile.steps_per_head, step,
                      common.zeros_accumulator((BLOCK_KV, dims.head_dim)))
   # K is no longer read: warpgroup 0 read it last before handing over the last Pᵀ.
@@ -415,10 +433,50 @@ def _dk_warpgroup(tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opt
          refs.dk.at[tile.batch, pl.ds(tile.key0, BLOCK_KV), tile.kv_head], dims.dtype)
 
 
-def _compute(wg, tile: _Tile, refs: _Refs, streams, pbar, tile_ready, dims, opts):
-  args = (tile, refs, streams, pbar, tile_ready, dims, opts)
-  pl.when(wg == _Role.DV)(lambda: _dv_warpgroup(*args))
-  pl.when(wg == _Role.DK)(lambda: _dk_warpgroup(*args))
+def _compute_warpgroup(role: _Role, refs: _Refs, ring_barriers, pbar, tile_ready, sched,
+                       dims, opts):
+  """One warpgroup's role in each of its CTA's tiles. A persistent CTA loads the next tile's
+  buffer once this warpgroup's output has left through it; the producer streams the next
+  tile's queries meanwhile."""
+  plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  cta = lax.axis_index("cta")
+  num_items = sched.items_of(cta)
+  tile_of = lambda i: _tile(sched.tile(cta, i), refs.masks, dims, opts)
+  run_tile = _dv_tile if role == _Role.DV else _dk_tile
+  _load_tile(role, tile_of(0), refs, tile_ready, opts)
+
+  def tile_body(i, ring: pipeline.Ring):
+    tile = tile_of(i)
+    streams = _streams(tile, refs, ring_barriers, dims, opts)
+    run_tile(tile, ring.kv, refs, streams, pbar, tile_ready, dims, opts, sched.persistent)
+    if sched.persistent:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(i + 1 < num_items)(lambda: _load_tile(role, tile_of(i + 1), refs, tile_ready,
+                                                    opts))
+    return ring.advance(dims.group * tile.steps_per_head)
+
+  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start())
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _compute(wg, refs: _Refs, ring_barriers, pbar, tile_ready, sched, dims, opts):
+  for role in _Role:
+    pl.when(wg == role)(functools.partial(_compute_warpgroup, role, refs, ring_barriers, pbar,
+                                          tile_ready, sched, dims, opts))
+
+
+def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
+  """Streams each tile's query blocks (and a mask's tiles) through the ring, which runs on
+  across the CTA's tiles."""
+  def tile_streams(item: scheduler.Tile, ring: pipeline.Ring):
+    tile = _tile(item, refs.masks, dims, opts)
+    num_steps = dims.group * tile.steps_per_head
+    return (_streams(tile, refs, ring_barriers, dims, opts), num_steps,
+            lambda: ring.advance(num_steps))
+
+  # The drained streams' sources are not read (no tile).
+  common.produce_tiles(sched, tile_streams, _streams(None, refs, ring_barriers, dims, opts),
+                       opts.config.num_stages)
 
 
 def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
@@ -430,7 +488,7 @@ def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
   return streams
 
 
-def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
+def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   masks, (dk, dv) = common.MaskInputs.split(rest, opts)
   cfg = opts.config
   stages = cfg.num_stages
@@ -465,12 +523,10 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, opts):
                  q_ids_ring, mask_ring)
     tile_ready, p_ready, p_consumed, *ring_barriers = rest[len(staging):]
     pbar = _PBarriers(p_ready, p_consumed)
-    tile = _tile(masks, dims, opts)
-    streams = _streams(tile, refs, list(zip(ring_barriers[::2], ring_barriers[1::2])), dims,
-                       opts)
+    ring_barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
     common.specialize(
-        lambda wg: _compute(wg, tile, refs, streams, pbar, tile_ready, dims, opts),
-        lambda: common.producer(streams, dims.group * tile.steps_per_head, stages))
+        lambda wg: _compute(wg, refs, ring_barriers, pbar, tile_ready, sched, dims, opts),
+        lambda: _producer_warpgroup(refs, ring_barriers, sched, dims, opts))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
 
@@ -497,9 +553,10 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   masks = masks.with_bias(bias, rows=num_kv_tiles * BLOCK_KV, row_block=BLOCK_KV,
                           col_block=cfg.block_q, tiles_are_keys=True)
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  sched = common.backward_schedule("dkv", num_kv_tiles, dims.num_kv_heads, dims.batch,
+                                   BLOCK_KV, steps=dims.group * pl.cdiv(q.shape[1], cfg.block_q),
+                                   stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts)
   return common.launch(
-      functools.partial(_entry, dims=dims, opts=opts), q, k, v, do, lse_log2, delta,
-      *masks.arrays(), out_type=out_type,
-      grid=(num_kv_tiles, dims.num_kv_heads, dims.batch),
-      grid_names=("kv_tile", "kv_head", "batch"), name="flash_attn_hopper_dkv_split",
-      interpret=opts.interpret)
+      functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
+      delta, *masks.arrays(), out_type=out_type, grid=(sched.num_ctas,), grid_names=("cta",),
+      name="flash_attn_hopper_dkv_split", interpret=opts.interpret)
