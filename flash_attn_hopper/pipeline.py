@@ -37,14 +37,24 @@ NUM_COMPUTE_WARPGROUPS = 2
 PRODUCER_WARPGROUP = NUM_COMPUTE_WARPGROUPS
 NUM_WARPGROUPS = NUM_COMPUTE_WARPGROUPS + 1
 
-#: Registers per thread after rebalancing. The producer only issues copies: 40 is setmaxnreg's
-#: practical floor that still holds its loop state. The compute warpgroups take what is left
-#: of the 64K-register file, rounded down to setmaxnreg's granularity of 8:
-#: 2·128·232 + 128·40 = 64,512 ≤ 65,536.
-PRODUCER_REGISTERS = 40
-COMPUTE_REGISTERS = 232
-assert (NUM_COMPUTE_WARPGROUPS * COMPUTE_REGISTERS + PRODUCER_REGISTERS) * \
-    hardware.WARPGROUP_THREADS <= hardware.REGISTERS_PER_SM
+#: Registers a thread gets at launch: the register file split over the CTA's threads, in
+#: setmaxnreg's granularity of 8 (168 for three warpgroups, ptxas's "Used 168 registers").
+#: setmaxnreg then moves registers between warpgroups within that pool.
+LAUNCH_REGISTERS = (hardware.REGISTERS_PER_SM
+                    // (NUM_WARPGROUPS * hardware.WARPGROUP_THREADS) // 8 * 8)
+
+#: Registers per thread after rebalancing (FA3's split). The producer only issues copies and
+#: keeps setmaxnreg's minimum, 24; the compute warpgroups take the rest of the launch pool:
+#: 2·128·240 + 128·24 = 64,512 = 384·168. Against the earlier 40 / 232, interleaved on the
+#: H200 (2026-12-02, bf16, B·T = 16k, hidden 2048, 4k; `scripts/ab_registers.py`,
+#: bench/results/h200_registers_ab.log; outputs bitwise equal), fwd+bwd went 0.870 → 0.889
+#: (D 128), 0.914 → 0.941 (D 128 causal), 0.946 → 0.970 (D 256) and 0.960 → 0.968 (D 64)
+#: times cuDNN, 0.939 → 0.933 at D 64 causal. The dK/dV kernel at D 128 ran 5% faster (its
+#: spill stores: 48 → 0 bytes, causal 192 → 156), dQ at D 256 4% (360 → 320).
+PRODUCER_REGISTERS = 24
+COMPUTE_REGISTERS = 240
+assert (NUM_COMPUTE_WARPGROUPS * COMPUTE_REGISTERS + PRODUCER_REGISTERS) <= \
+    NUM_WARPGROUPS * LAUNCH_REGISTERS
 
 
 @dataclasses.dataclass(frozen=True)
