@@ -1,7 +1,7 @@
 """The backward pass in plain JAX, one KV block at a time: for head dims the kernels lack.
 
 The dK/dV kernel holds dK and dV for its keys in registers; at head dim 256 the two float32
-accumulators alone need 256 registers per thread, over the 232 a compute warpgroup has, and
+accumulators alone need 256 registers per thread, over the 240 a compute warpgroup has, and
 its shared-memory tiles overflow too. Until a kernel for that shape exists, `autodiff` sends
 those gradients here. This is FlashAttention's backward written with XLA ops: a `lax.scan`
 over KV blocks recomputes P from the forward's LSE, so memory stays O(T · block_kv) and no

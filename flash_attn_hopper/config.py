@@ -21,7 +21,7 @@ SMEM_BUDGET = hardware.SMEM_BYTES_PER_CTA - hardware.SMEM_RESERVED_BYTES
 
 #: From this head dim on, dK/dV runs `kernels/dkv_split.py`: one block of keys per CTA, one
 #: compute warpgroup accumulating dV and the other dK (two (block_kv, D) float32 accumulators
-#: a warpgroup would need 256 registers a thread at D 256, over the 232 it has).
+#: a warpgroup would need 256 registers a thread at D 256, over the 240 it has).
 SPLIT_DKV_HEAD_DIM = 256
 #: Bytes of the two float16 Pᵀ slots that kernel hands between its warpgroups, per entry of
 #: a (block_kv, block_q) block.

@@ -2,7 +2,7 @@
 
 `dkv` gives each compute warpgroup its own block of keys and both of their accumulators,
 dK and dV, (block_kv, D) float32 each: at D 256 that is 2 × 128 registers a thread, over the
-232 it has. Here a tile is ONE block of 64 keys of one (batch, KV head), and each compute
+240 it has. Here a tile is ONE block of 64 keys of one (batch, KV head), and each compute
 warpgroup keeps one accumulator. A CTA runs one tile or, on persistent CTAs, several
 (`common.backward_schedule`), its ring and Pᵀ slots running on across them. The producer
 streams Q, dO, the LSE and δ of every query block of every query head of the KV head's
