@@ -1,12 +1,12 @@
 """The backward pass in plain JAX, one KV block at a time: for head dims the kernels lack.
 
-The dK/dV kernel holds dK and dV for its keys in registers; at head dim 256 the two float32
-accumulators alone need 256 registers per thread, over the 240 a compute warpgroup has, and
-its shared-memory tiles overflow too. Until a kernel for that shape exists, `autodiff` sends
-those gradients here. This is FlashAttention's backward written with XLA ops: a `lax.scan`
-over KV blocks recomputes P from the forward's LSE, so memory stays O(T · block_kv) and no
-T×S tensor is built. Matmul operands are the inputs' 16-bit dtype with float32 accumulation,
-as in the kernels:
+It was the backward of head dim 256 until `kernels/dkv_split.py` (the D 64/128 dK/dV
+kernel's two float32 accumulators need 256 registers a thread there, over the 240 a compute
+warpgroup has); today every supported head dim has kernels, and `autodiff` sends here only
+head dims outside `autodiff.KERNEL_BACKWARD_HEAD_DIMS` (none). This is FlashAttention's
+backward written with XLA ops: a `lax.scan` over KV blocks recomputes P from the forward's
+LSE, so memory stays O(T · block_kv) and no T×S tensor is built. Matmul operands are the
+inputs' 16-bit dtype with float32 accumulation, as in the kernels:
 
     per KV block j:
       S = Q Kⱼᵀ · scale, masked        P = exp(S − LSE)
