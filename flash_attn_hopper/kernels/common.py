@@ -380,6 +380,30 @@ def wait_tile_loads(tile_ready, wg, count: int):
     plgpu.barrier_wait(tile_ready.at[count * wg + i])
 
 
+def run_key_tiles(sched, as_tile: Callable, load: Callable, run: Callable,
+                  steps_of: Callable) -> None:
+  """A dK/dV compute warpgroup's loop over its CTA's key tiles (`dkv`, `dkv_split`; the
+  producer's is `produce_tiles`): `as_tile(item)` makes the scheduler's work item a tile,
+  `load(tile)` starts the tile loads this warpgroup owns, and `run(tile, ring0)` computes the
+  tile from ring position ring0 and stores its output by TMA through those buffers. On a
+  persistent CTA the next tile's loads start once that store has read them. The ring
+  advances `steps_of(tile)` a tile."""
+  cta = lax.axis_index("cta")
+  num_items = sched.items_of(cta)
+  load(as_tile(sched.tile(cta, 0)))
+
+  def tile_body(i, ring: pipeline.Ring):
+    tile = as_tile(sched.tile(cta, i))
+    run(tile, ring.kv)
+    if sched.persistent:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      pl.when(i + 1 < num_items)(lambda: load(as_tile(sched.tile(cta, i + 1))))
+    return ring.advance(steps_of(tile))
+
+  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start())
+  plgpu.wait_smem_to_gmem(0)
+
+
 def produce_tiles(sched, tile_streams: Callable, drain_streams, num_stages: int,
                   bias: bool = False):
   """The producer warpgroup of a CTA that runs the tiles `sched` deals it, its rings running

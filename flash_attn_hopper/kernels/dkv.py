@@ -294,25 +294,16 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
   tile's K and V once dK and dV have left through their buffers; the producer streams the
   next tile's queries meanwhile."""
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
-  cta = lax.axis_index("cta")
-  num_items = sched.items_of(cta)
-  tile_of = lambda i: _tile(sched.tile(cta, i), refs.masks, dims, opts)
-  _issue_tile_loads(wg, tile_of(0), refs, tile_ready, opts)
 
-  def tile_body(i, ring: pipeline.Ring):
-    tile = tile_of(i)
+  def run(tile: _Tile, ring0):
     streams = query_streams(tile, refs, ring_barriers, dims, opts)
-    dk, dv = _attend_tile(wg, tile, ring.kv, refs, streams, tile_ready, dims, opts,
+    dk, dv = _attend_tile(wg, tile, ring0, refs, streams, tile_ready, dims, opts,
                           sched.persistent)
     _store(wg, dk, dv, tile, refs, dims, opts)
-    if sched.persistent:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      pl.when(i + 1 < num_items)(
-          lambda: _issue_tile_loads(wg, tile_of(i + 1), refs, tile_ready, opts))
-    return ring.advance(dims.group * tile.steps_per_head)
 
-  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start())
-  plgpu.wait_smem_to_gmem(0)
+  common.run_key_tiles(sched, lambda item: _tile(item, refs.masks, dims, opts),
+                       lambda tile: _issue_tile_loads(wg, tile, refs, tile_ready, opts), run,
+                       lambda tile: dims.group * tile.steps_per_head)
 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):

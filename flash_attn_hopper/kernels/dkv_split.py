@@ -439,24 +439,15 @@ def _compute_warpgroup(role: _Role, refs: _Refs, ring_barriers, pbar, tile_ready
   buffer once this warpgroup's output has left through it; the producer streams the next
   tile's queries meanwhile."""
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
-  cta = lax.axis_index("cta")
-  num_items = sched.items_of(cta)
-  tile_of = lambda i: _tile(sched.tile(cta, i), refs.masks, dims, opts)
   run_tile = _dv_tile if role == _Role.DV else _dk_tile
-  _load_tile(role, tile_of(0), refs, tile_ready, opts)
 
-  def tile_body(i, ring: pipeline.Ring):
-    tile = tile_of(i)
+  def run(tile: _Tile, ring0):
     streams = _streams(tile, refs, ring_barriers, dims, opts)
-    run_tile(tile, ring.kv, refs, streams, pbar, tile_ready, dims, opts, sched.persistent)
-    if sched.persistent:
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      pl.when(i + 1 < num_items)(lambda: _load_tile(role, tile_of(i + 1), refs, tile_ready,
-                                                    opts))
-    return ring.advance(dims.group * tile.steps_per_head)
+    run_tile(tile, ring0, refs, streams, pbar, tile_ready, dims, opts, sched.persistent)
 
-  lax.fori_loop(0, num_items, tile_body, pipeline.Ring.start())
-  plgpu.wait_smem_to_gmem(0)
+  common.run_key_tiles(sched, lambda item: _tile(item, refs.masks, dims, opts),
+                       lambda tile: _load_tile(role, tile, refs, tile_ready, opts), run,
+                       lambda tile: dims.group * tile.steps_per_head)
 
 
 def _compute(wg, refs: _Refs, ring_barriers, pbar, tile_ready, sched, dims, opts):
