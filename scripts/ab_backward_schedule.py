@@ -7,11 +7,11 @@ e.g. `64,128 1024,2048,4096 bfloat16`. B·T = 16k tokens, hidden 2048, causal an
 fwd+bwd (a jitted value_and_grad with a random cotangent), and the dQ and dK/dV kernels
 alone from the profile. Prints each side's median ms (best of 3 rounds of 10-run medians),
 its fwd+bwd ratio to cuDNN, and checks that the three sides' gradients are bitwise equal."""
-import functools, statistics, sys
+import functools, sys
 import jax, jax.numpy as jnp, numpy as np
-from jax.experimental.mosaic.gpu import profiler
 import flash_attn_hopper as fah
 from flash_attn_hopper import config as config_lib
+from ab_common import fwd_bwd, timings
 
 TUNED = config_lib.PERSISTENT_BACKWARD_MAX_STEPS
 dims = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "64,128").split(",")]
@@ -21,23 +21,6 @@ ALWAYS = {(kernel, d, causal): 1 << 30 for kernel in ("dq", "dkv") for d in dims
           for causal in (False, True)}
 SIDES = {"per_tile": {}, "tuned": TUNED, "persistent": ALWAYS}
 SIDES = {n: SIDES[n] for n in (sys.argv[4] if len(sys.argv) > 4 else ",".join(SIDES)).split(",")}
-
-
-def timings(fn, *a):
-  """(total ms, {kernel name: ms}) of one call: medians over 10 runs."""
-  _, runs = profiler.measure(fn, aggregate=False, iterations=10)(*a)
-  total = statistics.median(sum(t for _, t in run) for run in runs)
-  kernels = {}
-  for key in ("flash_attn_hopper_dq", "flash_attn_hopper_dkv"):
-    kernels[key[18:]] = statistics.median(
-        sum(t for name, t in run if key in name) for run in runs)
-  return total, kernels
-
-
-def fwd_bwd(attention, dout):
-  def loss(q, k, v):
-    return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def cell(d, t, causal):

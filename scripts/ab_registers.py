@@ -7,32 +7,17 @@ compiled for each side (between "--- ptxas" lines; spills show as "spill stores"
 forward's and fwd+bwd's median ms per side (best of 3 rounds of 10-run medians), the ratio to
 cuDNN and each kernel's time, and whether the sides' outputs and gradients are bitwise equal.
 The output is long: grep it for "^fwd" and "spill"."""
-import functools, os, statistics, sys
+import functools, os, sys
 import jax, jax.numpy as jnp, numpy as np
-from jax.experimental.mosaic.gpu import profiler
 import flash_attn_hopper as fah
 from flash_attn_hopper import pipeline
+from ab_common import fwd_bwd, timings
 
 dims = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "64,128,256").split(",")]
 seqs = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "4096").split(",")]
 dtype = jnp.dtype(sys.argv[3] if len(sys.argv) > 3 else "bfloat16")
 SIDES = [tuple(int(v) for v in s.split("/"))
          for s in (sys.argv[4] if len(sys.argv) > 4 else "40/232,24/240").split(",")]
-KERNELS = ("flash_attn_hopper_fwd", "flash_attn_hopper_dq", "flash_attn_hopper_dkv")
-
-
-def timings(fn, *a):
-  _, runs = profiler.measure(fn, aggregate=False, iterations=10)(*a)
-  total = statistics.median(sum(t for _, t in run) for run in runs)
-  kernels = {k[18:]: statistics.median(sum(t for n, t in run if k in n) for run in runs)
-             for k in KERNELS}
-  return total, kernels
-
-
-def fwd_bwd(attention, dout):
-  def loss(q, k, v):
-    return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def cell(d, t, causal):
@@ -60,7 +45,7 @@ def cell(d, t, causal):
   for _ in range(3):
     for n, pair in fns.items():
       for i, f in enumerate(pair):
-        r = timings(f, q, k, v)
+        r = timings(f, q, k, v, kernels=("fwd", "dq", "dkv"))
         if r[0] < best[n][i][0]:
           best[n][i] = r
   for i, pas in enumerate(("fwd", "fwd+bwd")):
