@@ -338,15 +338,13 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 # D 256's split dK/dV kernel (`kernels/dkv_split.py`, one 64-key block a tile), 2026-12-02,
 # same setup, by `... ab_backward_schedule.py 256 1024,2048,4096 bfloat16 per_tile,persistent`
 # (bench/results/h200_dkv_split_persistent_ab.log): dK/dV gained at 16, 32 and 64 steps, not
-# causal 3.3%, 1.9%, 1.9%, causal 4.8%, 4.1%, 2.4% (fwd+bwd 0.7–1.7 points of cuDNN). NOT
-# enabled: on a persistent CTA a tile with no step (key lengths) lets one warpgroup load the
-# next tile's K (or V) before the other has observed this tile's phase of that barrier (the
-# interpreter's barrier check failed 2 runs in 3 on test_head_dim_256_gradients_with_key_lengths;
-# bench/NOTES.md, nineteenth session). Enable ("dkv", 256, *): 64 once the two warpgroups sync
-# between tiles.
+# causal 3.3%, 1.9%, 1.9%, causal 4.8%, 4.1%, 2.4% (fwd+bwd 0.7–1.7 points of cuDNN); at 16k
+# (256 steps) causal dK/dV lost 1.6%. (Off at the nineteenth session's end, until the two
+# warpgroups met on tiles with no step: `dkv_split._meet_if_empty`.)
 PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
     ("dq", 64, True): 32, ("dq", 128, True): 32, ("dq", 128, False): 16,
     ("dkv", 64, True): 64, ("dkv", 128, True): 64, ("dkv", 128, False): 32,
+    ("dkv", 256, True): 64, ("dkv", 256, False): 64,
 }
 
 # Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many

@@ -101,6 +101,31 @@ def test_head_dim_256_gradients_with_key_lengths(rng):
   testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens)
 
 
+@pytest.mark.parametrize("run", range(3))
+def test_persistent_split_dkv_runs_tiles_past_the_key_lengths(rng, monkeypatch, run):
+  """D 256's split dK/dV kernel on persistent CTAs whose tiles include runs of key blocks
+  past their batch element's length (no step; dK = dV = 0). Neither warpgroup may start the
+  next tile's load before the other has waited for this tile's: the interpreter checks each
+  barrier's phase. Run three times: an unordered pair failed 2 runs in 3."""
+  from flash_attn_hopper import config as config_lib
+  from flash_attn_hopper.kernels import common
+
+  del run
+  w = workloads.Workload("gqa_70x320_d256", batch=2, seq_q=70, seq_kv=320, num_q_heads=2,
+                         num_kv_heads=1, head_dim=256)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  kv_lens = jnp.array([40, 260], jnp.int32)  # Key blocks 1-4 of element 0, 5 of 1: no step.
+  schedules = []
+  original = common.backward_schedule
+  spy = lambda *a, **kw: schedules.append(original(*a, **kw)) or schedules[-1]
+  monkeypatch.setattr(common, "backward_schedule", spy)
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {("dkv", 256, False): 64})
+  grads = _grads(q, k, v, dout, key_value_seq_lengths=kv_lens)
+  assert [s.persistent for s in schedules] == [False, True]  # dQ, dK/dV
+  testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens)
+
+
 @pytest.mark.parametrize("cfg", [fah.BackwardConfig(block_q=64, block_kv=128, num_stages=2),
                                  fah.BackwardConfig(block_q=128, block_kv=64, num_stages=3)],
                          ids=str)

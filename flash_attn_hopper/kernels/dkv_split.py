@@ -95,6 +95,18 @@ class _TileLoad(enum.IntEnum):
   K_IDS = 2  # segments only: the keys' segment ids
 
 
+class _TileBarriers(NamedTuple):
+  """The per-tile barriers. ready: `_TileLoad`'s, one each. met: persistent CTAs only, two
+  arrivals (the compute warpgroups), where a tile with no step keeps them in step
+  (`_meet_if_empty`)."""
+  ready: object
+  met: object = None
+
+  @property
+  def persistent(self) -> bool:
+    return self.met is not None
+
+
 class _Refs(NamedTuple):
   """Global and shared-memory refs of one CTA. The fields `dkv.query_streams` reads (the
   inputs, the rings, `masks`, `q_ids_ring`) carry the same names as `dkv._Refs`'s."""
@@ -382,6 +394,22 @@ def _wait_tile(role: _Role, tile_ready, opts):
     plgpu.barrier_wait(tile_ready.at[_TileLoad.K_IDS])
 
 
+def _meet_if_empty(num_steps, barriers: _TileBarriers):
+  """On a persistent CTA, each warpgroup loads the next tile's K or V once its own store has
+  left, and the other must have waited for this tile's copy by then (a barrier's waits
+  follow its phases). A step orders them: warpgroup 1 stores dK after the last Pᵀ, handed
+  over after warpgroup 0 waited; warpgroup 0 stores dV after warpgroup 1 freed the last Pᵀ
+  slot, after it waited. A tile with no step (keys past the length) has none, so there
+  both warpgroups meet after their waits."""
+  if not barriers.persistent:
+    return
+
+  @pl.when(num_steps == 0)
+  def _meet():
+    plgpu.barrier_arrive(barriers.met)
+    plgpu.barrier_wait(barriers.met)
+
+
 def _store(acc, smem, dst, dtype):
   """The accumulator out through shared memory and TMA (rows past S are clipped)."""
   smem[...] = acc.astype(dtype)
@@ -404,36 +432,37 @@ def _observe_last_reads(ring0, num_steps, pbar: _PBarriers):
     plgpu.barrier_wait(pbar.consumed.at[(ring0 + s) % P_SLOTS])
 
 
-def _dv_tile(tile: _Tile, ring0, refs: _Refs, streams, pbar, tile_ready, dims, opts,
-             persistent: bool):
-  _wait_tile(_Role.DV, tile_ready, opts)
+def _dv_tile(tile: _Tile, ring0, refs: _Refs, streams, pbar, tile_barriers, dims, opts):
+  num_steps = dims.group * tile.steps_per_head
+  _wait_tile(_Role.DV, tile_barriers.ready, opts)
+  _meet_if_empty(num_steps, tile_barriers)
   # The keys' ids, per row of a (keys, queries) block.
   k_ids = plgpu.load(refs.k_ids_smem, layout=common.ROWS) if opts.segments else None
-  if persistent and opts.segments:  # The next tile's ids land here by TMA.
+  if tile_barriers.persistent and opts.segments:  # The next tile's ids land here by TMA.
     pipeline.order_loads_before_tma()
   step = functools.partial(_dv_step, tile=tile, ring0=ring0, k_ids=k_ids, refs=refs,
                            streams=streams, pbar=pbar, dims=dims, opts=opts)
   dv = _dv_loop(tile, refs.masks, step, common.zeros_accumulator((BLOCK_KV, dims.head_dim)),
                 dims, opts)
-  _observe_last_reads(ring0, dims.group * tile.steps_per_head, pbar)
+  _observe_last_reads(ring0, num_steps, pbar)
   _store(dv, refs.v_smem, refs.dv.at[tile.batch, pl.ds(tile.key0, BLOCK_KV), tile.kv_head],
          dims.dtype)
 
 
-def _dk_tile(tile: _Tile, ring0, refs: _Refs, streams, pbar, tile_ready, dims, opts,
-             persistent: bool):
-  del persistent  # Warpgroup 1 reads nothing with loads that the next tile's TMA overwrites.
-  _wait_tile(_Role.DK, tile_ready, opts)
+def _dk_tile(tile: _Tile, ring0, refs: _Refs, streams, pbar, tile_barriers, dims, opts):
+  num_steps = dims.group * tile.steps_per_head
+  _wait_tile(_Role.DK, tile_barriers.ready, opts)
+  _meet_if_empty(num_steps, tile_barriers)
   step = functools.partial(_dk_step, ring0=ring0, refs=refs, streams=streams, pbar=pbar,
                            dims=dims, opts=opts)
-  dk = lax.fori_loop(0, dims.group * tile.steps_per_head, step,
+  dk = lax.fori_loop(0, num_steps, step,
                      common.zeros_accumulator((BLOCK_KV, dims.head_dim)))
   # K is no longer read: warpgroup 0 read it last before handing over the last Pᵀ.
   _store(dk * opts.scale, refs.k_smem,
          refs.dk.at[tile.batch, pl.ds(tile.key0, BLOCK_KV), tile.kv_head], dims.dtype)
 
 
-def _compute_warpgroup(role: _Role, refs: _Refs, ring_barriers, pbar, tile_ready, sched,
+def _compute_warpgroup(role: _Role, refs: _Refs, ring_barriers, pbar, tile_barriers, sched,
                        dims, opts):
   """One warpgroup's role in each of its CTA's tiles. A persistent CTA loads the next tile's
   buffer once this warpgroup's output has left through it; the producer streams the next
@@ -443,17 +472,18 @@ def _compute_warpgroup(role: _Role, refs: _Refs, ring_barriers, pbar, tile_ready
 
   def run(tile: _Tile, ring0):
     streams = _streams(tile, refs, ring_barriers, dims, opts)
-    run_tile(tile, ring0, refs, streams, pbar, tile_ready, dims, opts, sched.persistent)
+    run_tile(tile, ring0, refs, streams, pbar, tile_barriers, dims, opts)
 
   common.run_key_tiles(sched, lambda item: _tile(item, refs.masks, dims, opts),
-                       lambda tile: _load_tile(role, tile, refs, tile_ready, opts), run,
+                       lambda tile: _load_tile(role, tile, refs, tile_barriers.ready, opts),
+                       run,
                        lambda tile: dims.group * tile.steps_per_head)
 
 
-def _compute(wg, refs: _Refs, ring_barriers, pbar, tile_ready, sched, dims, opts):
+def _compute(wg, refs: _Refs, ring_barriers, pbar, tile_barriers, sched, dims, opts):
   for role in _Role:
     pl.when(wg == role)(functools.partial(_compute_warpgroup, role, refs, ring_barriers, pbar,
-                                          tile_ready, sched, dims, opts))
+                                          tile_barriers, sched, dims, opts))
 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
@@ -501,9 +531,12 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   staging = accumulate.staging_types(pipeline.NUM_COMPUTE_WARPGROUPS, (BLOCK_KV, cfg.block_q),
                                      dims.dtype, interpret=opts.interpret)
   num_streams = 4 + bool(opts.segments)  # Q, dO, LSE, δ (, ids); then the mask's, if any
+  met_type = (plgpu.Barrier(num_arrivals=pipeline.NUM_COMPUTE_WARPGROUPS),) \
+      if sched.persistent else ()
   barriers = (plgpu.Barrier(num_barriers=len(_TileLoad) if opts.segments else _TileLoad.K_IDS),
               plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ ready
               plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ consumed
+              *met_type,
               *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)),
               *(pipeline.stream_barrier_types(bias_ring) if opts.bias else ()))
 
@@ -512,11 +545,14 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
                  delta_ring, p_smem, rest[0] if staging else None, masks, k_ids_smem,
                  q_ids_ring, mask_ring)
-    tile_ready, p_ready, p_consumed, *ring_barriers = rest[len(staging):]
+    barrier_refs = rest[len(staging):]
+    tile_ready, p_ready, p_consumed, *met = barrier_refs[:3 + len(met_type)]
+    tile_barriers = _TileBarriers(tile_ready, *met)
     pbar = _PBarriers(p_ready, p_consumed)
+    ring_barriers = barrier_refs[3 + len(met_type):]
     ring_barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
     common.specialize(
-        lambda wg: _compute(wg, refs, ring_barriers, pbar, tile_ready, sched, dims, opts),
+        lambda wg: _compute(wg, refs, ring_barriers, pbar, tile_barriers, sched, dims, opts),
         lambda: _producer_warpgroup(refs, ring_barriers, sched, dims, opts))
 
   pl.run_scoped(scoped, *scratch, *staging, *barriers, collective_axes="wg")
