@@ -28,23 +28,23 @@ def cell(d, t, causal):
   b, h = 16384 // t, 2048 // d
   q, k, v, dout = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype) for _ in range(4))
   fns = {"cudnn": fwd_bwd(functools.partial(jax.nn.dot_product_attention,
-                                            implementation="cudnn", is_causal=causal), dout)}
+                                            implementation="cudnn", is_causal=causal))}
   for name, steps in SIDES.items():
     config_lib.PERSISTENT_BACKWARD_MAX_STEPS = steps
     jax.clear_caches()
-    fns[name] = fwd_bwd(functools.partial(fah.dot_product_attention, is_causal=causal),
-                        dout).lower(q, k, v).compile()
+    fns[name] = fwd_bwd(functools.partial(fah.dot_product_attention, is_causal=causal)
+                        ).lower(q, k, v, dout).compile()
   config_lib.PERSISTENT_BACKWARD_MAX_STEPS = TUNED
-  grads = {n: fns[n](q, k, v)[1] for n in SIDES}
+  grads = {n: fns[n](q, k, v, dout)[1] for n in SIDES}
   first = next(iter(SIDES))
   same = all(bool(jnp.all(a == b)) for n in SIDES for a, b in zip(grads[n], grads[first]))
-  ref = fns["cudnn"](q, k, v)[1]
+  ref = fns["cudnn"](q, k, v, dout)[1]
   err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
             for a, r in zip(grads[first], ref))
   best = {n: (float("inf"), {}) for n in fns}
   for _ in range(3):
     for n, f in fns.items():
-      total, kernels = timings(f, q, k, v)
+      total, kernels = timings(f, q, k, v, dout)
       if total < best[n][0]:
         best[n] = (total, kernels)
   base = best["cudnn"][0]

@@ -1,5 +1,5 @@
-"""What the A/B scripts share: a jitted fwd+bwd with a fixed cotangent, and one call's device
-time with its kernels' share (CUPTI, through Mosaic GPU's profiler; needs the GPU)."""
+"""What the A/B scripts share: a jitted fwd+bwd with a cotangent, and one call's device time
+with its kernels' share (CUPTI, through Mosaic GPU's profiler; needs the GPU)."""
 import statistics
 
 import jax
@@ -9,9 +9,11 @@ from jax.experimental.mosaic.gpu import profiler
 PREFIX = "flash_attn_hopper_"
 
 
-def fwd_bwd(attention, dout):
-  """jit(value_and_grad) of sum(attention(q, k, v) · dout) in float32, over q, k and v."""
-  def loss(q, k, v):
+def fwd_bwd(attention):
+  """jit(value_and_grad) of sum(attention(q, k, v) · dout) in float32, over q, k and v; it
+  takes (q, k, v, dout). (The cotangent is an argument: closed over, it became a constant
+  that XLA spent over a second folding, on every compile.)"""
+  def loss(q, k, v, dout):
     return jnp.sum(attention(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 

@@ -26,7 +26,7 @@ def cell(d, t, causal):
   q, k, v, dout = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype) for _ in range(4))
   cud = functools.partial(jax.nn.dot_product_attention, implementation="cudnn",
                           is_causal=causal)
-  fns = {"cudnn": (jax.jit(cud), fwd_bwd(cud, dout))}
+  fns = {"cudnn": (jax.jit(cud), fwd_bwd(cud))}
   for prod, comp in SIDES:
     pipeline.PRODUCER_REGISTERS, pipeline.COMPUTE_REGISTERS = prod, comp
     jax.clear_caches()
@@ -34,18 +34,18 @@ def cell(d, t, causal):
     print(f"--- ptxas for {prod}/{comp} D {d} T {t} causal {causal}", flush=True)
     ours = functools.partial(fah.dot_product_attention, is_causal=causal)
     fns[f"{prod}/{comp}"] = (jax.jit(ours).lower(q, k, v).compile(),
-                             fwd_bwd(ours, dout).lower(q, k, v).compile())
+                             fwd_bwd(ours).lower(q, k, v, dout).compile())
     os.environ.pop("MOSAIC_GPU_DUMP_PTXAS")
     print("--- end ptxas", flush=True)
   names = [n for n in fns if n != "cudnn"]
-  outs = {n: (fns[n][0](q, k, v), fns[n][1](q, k, v)[1]) for n in names}
+  outs = {n: (fns[n][0](q, k, v), fns[n][1](q, k, v, dout)[1]) for n in names}
   same = all(bool(jnp.all(a == b)) for n in names
              for a, b in zip((outs[n][0], *outs[n][1]), (outs[names[0]][0], *outs[names[0]][1])))
   best = {n: [(float("inf"), {}), (float("inf"), {})] for n in fns}
   for _ in range(3):
     for n, pair in fns.items():
       for i, f in enumerate(pair):
-        r = timings(f, q, k, v, kernels=("fwd", "dq", "dkv"))
+        r = timings(f, q, k, v, *(dout,) * i, kernels=("fwd", "dq", "dkv"))
         if r[0] < best[n][i][0]:
           best[n][i] = r
   for i, pas in enumerate(("fwd", "fwd+bwd")):
