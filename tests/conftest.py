@@ -97,3 +97,17 @@ def rng(request) -> np.random.Generator:
   """A numpy Generator seeded from the test's node id: the same every run, distinct per test."""
   digest = hashlib.sha256(request.node.nodeid.encode()).digest()
   return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+@pytest.fixture
+def backward_schedules(monkeypatch) -> list:
+  """The (kernel, `scheduler.TileScheduler`) that each backward kernel traced in this test
+  took from `kernels.common.backward_schedule`, in order ("dq" before "dkv")."""
+  from flash_attn_hopper.kernels import common
+  taken, original = [], common.backward_schedule
+
+  def spy(kernel, *args, **kwargs):
+    taken.append((kernel, original(kernel, *args, **kwargs)))
+    return taken[-1][1]
+  monkeypatch.setattr(common, "backward_schedule", spy)
+  return taken

@@ -102,13 +102,14 @@ def test_head_dim_256_gradients_with_key_lengths(rng):
 
 
 @pytest.mark.parametrize("run", range(3))
-def test_persistent_split_dkv_runs_tiles_past_the_key_lengths(rng, monkeypatch, run):
+def test_persistent_split_dkv_runs_tiles_past_the_key_lengths(rng, monkeypatch,
+                                                              backward_schedules, run):
   """D 256's split dK/dV kernel on persistent CTAs whose tiles include runs of key blocks
   past their batch element's length (no step; dK = dV = 0). Neither warpgroup may start the
   next tile's load before the other has waited for this tile's: the interpreter checks each
-  barrier's phase. Run three times: an unordered pair failed 2 runs in 3."""
+  barrier's phase. Run three times: without `dkv_split._meet_if_empty` this test failed in
+  its second run, and the key-lengths test above 2 runs in 3."""
   from flash_attn_hopper import config as config_lib
-  from flash_attn_hopper.kernels import common
 
   del run
   w = workloads.Workload("gqa_70x320_d256", batch=2, seq_q=70, seq_kv=320, num_q_heads=2,
@@ -116,13 +117,10 @@ def test_persistent_split_dkv_runs_tiles_past_the_key_lengths(rng, monkeypatch, 
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
   kv_lens = jnp.array([40, 260], jnp.int32)  # Key blocks 1-4 of element 0, 5 of 1: no step.
-  schedules = []
-  original = common.backward_schedule
-  spy = lambda *a, **kw: schedules.append(original(*a, **kw)) or schedules[-1]
-  monkeypatch.setattr(common, "backward_schedule", spy)
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {("dkv", 256, False): 64})
   grads = _grads(q, k, v, dout, key_value_seq_lengths=kv_lens)
-  assert [s.persistent for s in schedules] == [False, True]  # dQ, dK/dV
+  assert [(kernel, s.persistent) for kernel, s in backward_schedules] == [("dq", False),
+                                                                         ("dkv", True)]
   testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens)
 
 
@@ -141,14 +139,13 @@ def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
 
 @pytest.mark.parametrize("head_dim", (64, 256))
 @pytest.mark.parametrize("is_causal", (False, True))
-def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, is_causal,
-                                                            head_dim):
+def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, backward_schedules,
+                                                            is_causal, head_dim):
   """The backward kernels on persistent CTAs (two when interpreting, each running several
   tiles of both kernels, mirror pairs under causal) against one CTA per tile. At D 256 the
   dK/dV kernel is the split one (`kernels/dkv_split.py`), and dQ, whose ring has one stage,
   keeps one CTA per tile."""
   from flash_attn_hopper import config as config_lib
-  from flash_attn_hopper.kernels import common
 
   # Even tile counts along T and S (so causal's pairs are dealt to the two CTAs), neither a
   # whole number of tiles.
@@ -156,19 +153,17 @@ def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, is
                          num_q_heads=4, num_kv_heads=2, head_dim=head_dim)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
-  schedules = []
-  original = common.backward_schedule
-  spy = lambda *a, **kw: schedules.append(original(*a, **kw)) or schedules[-1]
-  monkeypatch.setattr(common, "backward_schedule", spy)
   always = {(kernel, head_dim, is_causal): 1 << 30 for kernel in ("dq", "dkv")}
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", always)
   persistent = _grads(q, k, v, dout, is_causal=is_causal)
   dq_persistent = head_dim < config_lib.SPLIT_DKV_HEAD_DIM
-  assert [s.persistent for s in schedules] == [dq_persistent, True]  # dQ, dK/dV
-  assert all(s.num_ctas == 2 for s in schedules if s.persistent)
+  assert [(kernel, s.persistent) for kernel, s in backward_schedules] == [
+      ("dq", dq_persistent), ("dkv", True)]
+  assert all(s.num_ctas == 2 for _, s in backward_schedules if s.persistent)
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {})
   per_tile = _grads(q, k, v, dout, is_causal=is_causal)
-  assert len(schedules) == 4 and not any(s.persistent for s in schedules[2:])
+  assert len(backward_schedules) == 4
+  assert not any(s.persistent for _, s in backward_schedules[2:])
   for a, b in zip(persistent, per_tile):
     assert bool(jnp.all(a == b))
   testing.check_gradients(persistent, q, k, v, dout, is_causal=is_causal)

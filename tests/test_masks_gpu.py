@@ -81,21 +81,17 @@ def test_key_end_without_band_forward_and_gradients(rng, d, s, lengths):
 
 
 @pytest.mark.parametrize("is_causal", (False, True))
-def test_persistent_split_dkv_with_key_tiles_past_the_lengths(rng, monkeypatch, is_causal):
+def test_persistent_split_dkv_with_key_tiles_past_the_lengths(rng, backward_schedules,
+                                                              is_causal):
   """D 256's split dK/dV kernel on persistent CTAs (64 steps a tile), whose tiles include
   runs of key blocks with no step: past a batch element's length (0 for one of them) and,
   under causal, past the last query. The two compute warpgroups must meet on those."""
-  from flash_attn_hopper.kernels import common
-  schedules = []
-  original = common.backward_schedule
-  spy = lambda *a, **kw: schedules.append((a[0], original(*a, **kw))) or schedules[-1][1]
-  monkeypatch.setattr(common, "backward_schedule", spy)
   w = workloads.Workload("empty_key_tiles", batch=4, seq_q=1024, seq_kv=2048, num_q_heads=8,
                          num_kv_heads=2, head_dim=256)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   kw = dict(is_causal=is_causal, key_value_seq_lengths=jnp.array([2048, 0, 700, 64], jnp.int32))
   _check_forward_and_gradients(rng, q, k, v, **kw)
-  assert [s.persistent for kernel, s in schedules if kernel == "dkv"] == [True]
+  assert [s.persistent for kernel, s in backward_schedules if kernel == "dkv"] == [True]
 
 
 def _documents(rng, batch: int, length: int, docs: int):

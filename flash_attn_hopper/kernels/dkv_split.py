@@ -399,8 +399,8 @@ def _meet_if_empty(num_steps, barriers: _TileBarriers):
   left, and the other must have waited for this tile's copy by then (a barrier's waits
   follow its phases). A step orders them: warpgroup 1 stores dK after the last Pᵀ, handed
   over after warpgroup 0 waited; warpgroup 0 stores dV after warpgroup 1 freed the last Pᵀ
-  slot, after it waited. A tile with no step (keys past the length) has none, so there
-  both warpgroups meet after their waits."""
+  slot, after it waited. A tile with no step (keys past the length, or past the last query
+  under causal) has none, so there both warpgroups meet after their waits."""
   if not barriers.persistent:
     return
 
