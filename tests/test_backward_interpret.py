@@ -102,13 +102,16 @@ def test_head_dim_256_gradients_with_key_lengths(rng):
 
 
 @pytest.mark.parametrize("run", range(3))
+@pytest.mark.parametrize("is_causal", (False, True))
 def test_persistent_split_dkv_runs_tiles_past_the_key_lengths(rng, monkeypatch,
-                                                              backward_schedules, run):
+                                                              backward_schedules, is_causal,
+                                                              run):
   """D 256's split dK/dV kernel on persistent CTAs whose tiles include runs of key blocks
-  past their batch element's length (no step; dK = dV = 0). Neither warpgroup may start the
-  next tile's load before the other has waited for this tile's: the interpreter checks each
-  barrier's phase. Run three times: without `dkv_split._meet_if_empty` this test failed in
-  its second run, and the key-lengths test above 2 runs in 3."""
+  with no step (dK = dV = 0): past their batch element's length and, under causal, past the
+  last query. Neither warpgroup may start the next tile's load before the other has waited
+  for this tile's: the interpreter checks each barrier's phase. Run three times: without
+  `dkv_split._meet_if_empty` the non-causal case failed in its second run, and the
+  key-lengths test above 2 runs in 3."""
   from flash_attn_hopper import config as config_lib
 
   del run
@@ -116,12 +119,16 @@ def test_persistent_split_dkv_runs_tiles_past_the_key_lengths(rng, monkeypatch,
                          num_kv_heads=1, head_dim=256)
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
-  kv_lens = jnp.array([40, 260], jnp.int32)  # Key blocks 1-4 of element 0, 5 of 1: no step.
-  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {("dkv", 256, False): 64})
-  grads = _grads(q, k, v, dout, key_value_seq_lengths=kv_lens)
+  # Element 0's key blocks 1-4 have no step (element 1's last holds 4 keys); under causal,
+  # with T = 70, neither has a step in blocks 2-4.
+  kv_lens = jnp.array([40, 260], jnp.int32)
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS",
+                      {("dkv", 256, is_causal): 64})
+  kw = dict(key_value_seq_lengths=kv_lens, is_causal=is_causal)
+  grads = _grads(q, k, v, dout, **kw)
   assert [(kernel, s.persistent) for kernel, s in backward_schedules] == [("dq", False),
                                                                          ("dkv", True)]
-  testing.check_gradients(grads, q, k, v, dout, key_value_seq_lengths=kv_lens)
+  testing.check_gradients(grads, q, k, v, dout, **kw)
 
 
 @pytest.mark.parametrize("cfg", [fah.BackwardConfig(block_q=64, block_kv=128, num_stages=2),
