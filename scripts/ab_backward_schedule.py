@@ -8,10 +8,10 @@ fwd+bwd (a jitted value_and_grad with a random cotangent), and the dQ and dK/dV 
 alone from the profile. Prints each side's median ms (best of 3 rounds of 10-run medians),
 its fwd+bwd ratio to cuDNN, and checks that the three sides' gradients are bitwise equal."""
 import functools, sys
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
 import flash_attn_hopper as fah
 from flash_attn_hopper import config as config_lib
-from ab_common import fwd_bwd, timings
+from ab_common import fwd_bwd, race_inputs, timings
 
 TUNED = config_lib.PERSISTENT_BACKWARD_MAX_STEPS
 dims = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "64,128").split(",")]
@@ -24,9 +24,7 @@ SIDES = {n: SIDES[n] for n in (sys.argv[4] if len(sys.argv) > 4 else ",".join(SI
 
 
 def cell(d, t, causal):
-  rng = np.random.default_rng(0)
-  b, h = 16384 // t, 2048 // d
-  q, k, v, dout = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype) for _ in range(4))
+  q, k, v, dout = race_inputs(d, t, causal, dtype)
   fns = {"cudnn": fwd_bwd(functools.partial(jax.nn.dot_product_attention,
                                             implementation="cudnn", is_causal=causal))}
   for name, steps in SIDES.items():

@@ -1,12 +1,26 @@
-"""What the A/B scripts share: a jitted fwd+bwd with a cotangent, and one call's device time
-with its kernels' share (CUPTI, through Mosaic GPU's profiler; needs the GPU)."""
+"""What the A/B and ptxas scripts share: a race-grid cell's inputs, a jitted fwd+bwd with a
+cotangent, and one call's device time with its kernels' share (CUPTI, through Mosaic GPU's
+profiler; needs the GPU)."""
 import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
+from flash_attn_hopper import workloads
+
 PREFIX = "flash_attn_hopper_"
+
+
+def race_inputs(head_dim: int, seq: int, is_causal: bool, dtype, rng=None):
+  """Standard-normal (q, k, v, dout) in `dtype` for the race grid's cell
+  (`workloads.hidden_2048_grid`: B·T = 16k tokens, hidden 2048); `rng` defaults to a fresh
+  generator seeded 0."""
+  dtype = jnp.dtype(dtype)
+  cell, = workloads.hidden_2048_grid((seq,), (head_dim,), (is_causal,), (dtype.name,))
+  rng = np.random.default_rng(0) if rng is None else rng
+  return tuple(jnp.asarray(rng.standard_normal(cell.q_shape), dtype) for _ in range(4))
 
 
 def fwd_bwd(attention):

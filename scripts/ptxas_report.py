@@ -88,6 +88,7 @@ def main(argv):
   import flash_attn_hopper as fah
   from flash_attn_hopper import config as config_lib
   from flash_attn_hopper import pipeline
+  from ab_common import fwd_bwd, race_inputs
 
   dims = [int(x) for x in (argv[1] if len(argv) > 1 else "64,128,256").split(",")]
   seqs = [int(x) for x in (argv[2] if len(argv) > 2 else "4096").split(",")]
@@ -101,18 +102,14 @@ def main(argv):
   for d in dims:
     for t in seqs:
       for causal in (False, True):
-        b, h = 16384 // t, 2048 // d
-        q, k, v, dout = (jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
-                         for _ in range(4))
-        attention = functools.partial(fah.dot_product_attention, is_causal=causal)
-        # The cotangent is an argument: closed over, XLA folds it as a constant each compile.
-        loss = lambda q, k, v, dout: jnp.sum(attention(q, k, v).astype(jnp.float32) * dout)
+        q, k, v, dout = race_inputs(d, t, causal, dtype, rng)
+        grads = fwd_bwd(functools.partial(fah.dot_product_attention, is_causal=causal))
         reports = []
         for side in sides:
           _apply(side, dims, originals)
           jax.clear_caches()
           with captured_fd1() as text:
-            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, dout).compile()
+            grads.lower(q, k, v, dout).compile()
           reports.append(parse(text[0]))
         _apply("sched:tuned", dims, originals)
         cell = f"D {d} T {t} {'causal' if causal else 'full'}"
