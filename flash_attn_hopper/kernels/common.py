@@ -289,6 +289,19 @@ def smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
+def unhoisted(x):
+  """`x`, as a value that LLVM cannot hoist out of the loop it is computed in (an empty
+  inline asm with side effects: `lax.optimization_barrier`). What is computed from it is
+  computed where it is used.
+
+  A persistent CTA's tile loop holds its loop invariants across the step loop inside it:
+  LLVM's LICM hoisted the dK/dV epilogue's stmatrix addresses (sixteen 64-bit addresses at
+  D 128, 32 registers) out of the tile loop, and ptxas then spilled around every step's
+  matmuls. `dkv.UNHOISTED_EPILOGUE` and `forward.UNHOISTED_EPILOGUE_MIN_HEAD_DIM` say where
+  computing them after the loop paid on the H200."""
+  return lax.optimization_barrier(x)
+
+
 def zeros_accumulator(shape):
   """A float32 zero array in the wgmma accumulator layout."""
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)

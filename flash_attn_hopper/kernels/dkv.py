@@ -59,6 +59,19 @@ from flash_attn_hopper.kernels import fused_dq
 #: dPᵀ in flight together add 64 more.
 OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 
+#: On persistent CTAs without mirror pairs (no causal bound), `_store` addresses its buffers
+#: through `common.unhoisted(wg)`, so LLVM computes the epilogue's addresses after the step
+#: loop instead of holding them across it. ptxas, D 128 1k bf16 persistent: 112 → 96 bytes of
+#: spill stores. Interleaved A/B on the H200 (2026-12-02, bf16 fwd+bwd, B·T = 16k, hidden
+#: 2048; bench/results/h200_unhoisted_epilogue_ab.log, `scripts/ab_unhoisted_epilogue.py`),
+#: dK/dV ms hoisted → unhoisted: D 128 non-causal 1k 0.472 → 0.441 and 0.473 → 0.438 (two
+#: runs; fwd+bwd 0.952 → 0.985 of cuDNN); at 4k with every tile persistent 1.815 → 1.624, and
+#: 1.663 in the second run against 1.68–1.71 on one CTA per tile, so the persistent limit
+#: stays. Under causal (mirror pairs) it cost 2.5–4% in both runs at D 64 and 128 (1k, 4k;
+#: D 128 causal 4k 0.906 → 0.943 and 0.914 → 0.948), so paired schedules keep the hoisted
+#: addresses. Unhoisting the next tile's loads as well gave the spills back (112 bytes).
+UNHOISTED_EPILOGUE = True
+
 
 class _Refs(NamedTuple):
   q: object
@@ -289,6 +302,15 @@ def _store(wg, dk, dv, tile: _Tile, refs: _Refs, dims, opts):
   plgpu.copy_smem_to_gmem(v_smem, refs.dv.at[tile.batch, rows, tile.kv_head])
 
 
+def _epilogue_wg(wg, sched: scheduler.TileScheduler):
+  """The warpgroup index that `_store` addresses its buffers by: on persistent CTAs without
+  mirror pairs, one that keeps the epilogue's addresses out of the step loop
+  (`UNHOISTED_EPILOGUE`)."""
+  if UNHOISTED_EPILOGUE and sched.persistent and not sched.paired:
+    return common.unhoisted(wg)
+  return wg
+
+
 def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, opts):
   """One warpgroup's keys of each of its CTA's tiles. A persistent CTA loads the next
   tile's K and V once dK and dV have left through their buffers; the producer streams the
@@ -299,7 +321,7 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
     streams = query_streams(tile, refs, ring_barriers, dims, opts)
     dk, dv = _attend_tile(wg, tile, ring0, refs, streams, tile_ready, dims, opts,
                           sched.persistent)
-    _store(wg, dk, dv, tile, refs, dims, opts)
+    _store(_epilogue_wg(wg, sched), dk, dv, tile, refs, dims, opts)
 
   common.run_key_tiles(sched, lambda item: _tile(item, refs.masks, dims, opts),
                        lambda tile: _issue_tile_loads(wg, tile, refs, tile_ready, opts), run,
