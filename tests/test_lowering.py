@@ -146,3 +146,37 @@ def test_five_matmul_backward_lowers_for_hopper(feature, d):
   assert "flash_attn_hopper_dq_mosaic_gpu" not in text
   for name in ("fwd", "dkv"):
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+
+
+#: The inline asm that `lax.optimization_barrier` lowers to (`kernels.common.unhoisted`).
+_BARRIER = 'has_side_effects asm_dialect = att ""'
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("schedule", ["per_tile", "persistent", "paired"])
+def test_dkv_epilogue_unhoisted_only_on_unpaired_persistent_ctas(monkeypatch, schedule):
+  """`dkv.UNHOISTED_EPILOGUE` adds one optimization barrier to the dK/dV kernel on persistent
+  CTAs without mirror pairs, and leaves the kernel that one CTA per tile or mirror pairs
+  run as it was (where it was measured to lose, or has nothing to hoist out of)."""
+  from flash_attn_hopper.kernels import dkv  # pylint: disable=g-import-not-at-top
+  causal = schedule == "paired"
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {} if schedule == "per_tile"
+                      else {("dkv", 128, causal): 1 << 30})
+  counts = []
+  for unhoisted in (False, True):
+    monkeypatch.setattr(dkv, "UNHOISTED_EPILOGUE", unhoisted)
+    counts.append(_kernel_modules(monkeypatch, 128, is_causal=causal)["dkv"].count(_BARRIER))
+  assert counts[1] - counts[0] == (1 if schedule == "persistent" else 0), counts
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+def test_forward_epilogue_unhoisted_from_its_head_dim(monkeypatch):
+  """The forward's epilogue goes through `common.unhoisted` from
+  `forward.UNHOISTED_EPILOGUE_MIN_HEAD_DIM` on (D 256), not below it."""
+  from flash_attn_hopper.kernels import forward  # pylint: disable=g-import-not-at-top
+  for d in (128, 256):
+    counts = []
+    for min_head_dim in (1 << 30, forward.UNHOISTED_EPILOGUE_MIN_HEAD_DIM):
+      monkeypatch.setattr(forward, "UNHOISTED_EPILOGUE_MIN_HEAD_DIM", min_head_dim)
+      counts.append(_kernel_modules(monkeypatch, d)["fwd"].count(_BARRIER))
+    assert counts[1] - counts[0] == (d >= 256), (d, counts)

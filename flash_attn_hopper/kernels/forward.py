@@ -451,6 +451,24 @@ def _wait_q(wg, refs: _Refs, bars: pipeline.Barriers):
   return ids
 
 
+#: From this head dim on, `_store_tile` addresses its buffers through `common.unhoisted(wg)`,
+#: so that LLVM computes the epilogue's addresses after the KV loop instead of holding them
+#: across it (as `dkv.UNHOISTED_EPILOGUE`). ptxas, bf16 1k: D 256 spill stores 72 → 64 bytes,
+#: causal 16 → 8; D 64 and 128 spill nothing either way. Interleaved A/B on the H200
+#: (2026-12-02, bf16, B·T = 16k, hidden 2048, best of 5 CUPTI medians, ratio to cuDNN
+#: without → with; bench/results/h200_unhoisted_epilogue_ab.log, run 4;
+#: `scripts/ab_unhoisted_epilogue.py fwd`): D 256 1k 1.008 → 1.010,
+#: causal 1.054 → 1.057; 4k 1.000 → 1.003, 1.074 → 1.086; 16k 0.988 → 0.996, 1.056 → 1.061.
+#: D 128 lost in 4 cells of 6 (−0.3 to −1.3%), D 64 moved both ways (−0.6 to +2.1%).
+UNHOISTED_EPILOGUE_MIN_HEAD_DIM = 256
+
+
+def _epilogue_wg(wg, dims: common.Dims):
+  """The warpgroup index that `_store_tile` addresses its buffers by
+  (`UNHOISTED_EPILOGUE_MIN_HEAD_DIM`)."""
+  return common.unhoisted(wg) if dims.head_dim >= UNHOISTED_EPILOGUE_MIN_HEAD_DIM else wg
+
+
 def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, opts):
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
   cfg = opts.config
@@ -474,7 +492,7 @@ def _compute_warpgroup(wg, refs: _Refs, bars: pipeline.Barriers, sched, dims, op
     if separate_o:  # Q is free now: fetch the next tile's under this epilogue.
       load_next_q()
     out, lse = softmax.finalize(state, acc)
-    _store_tile(wg, out, lse, tile, refs, dims)
+    _store_tile(_epilogue_wg(wg, dims), out, lse, tile, refs, dims)
     if not separate_o:  # O went out through Q's buffer: wait until TMA has read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_next_q()
