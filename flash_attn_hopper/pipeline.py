@@ -151,6 +151,9 @@ class Stream(NamedTuple):
     smem: the ring, (num_stages, *block).
     ready: one barrier per stage: the block of that slot landed.
     consumed: one barrier per stage, one arrival per compute warpgroup: the slot may be reused.
+      Dense streams that every step reads may share one pair (`stream_barrier_types`'
+      `copies`): ready then completes when all their blocks landed, and consumers free the
+      slot once, after their last read of any of them. Waits go through `wait_ready`.
     needed: None (every step is copied), or step -> whether its block is copied. A step
       whose block is not needed still completes its slot's `ready` phase (the producer
       arrives without a copy), so that every barrier keeps one phase per step and consumers
@@ -206,10 +209,27 @@ def stream_slot(stream: Stream, step, num_stages: int):
   return slot_of(step, stages_of(stream, num_stages))
 
 
-def stream_barrier_types(num_stages: int) -> tuple:
-  """The (ready, consumed) barrier types of one stream."""
-  return (plgpu.Barrier(num_barriers=num_stages),
+def stream_barrier_types(num_stages: int, copies: int = 1) -> tuple:
+  """The (ready, consumed) barrier types of one stream, or of `copies` dense streams that
+  share them (`Stream`): each copy arrives on ready once, with its bytes, and each compute
+  warpgroup on consumed once per step for all of them."""
+  return (plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
+
+
+def distinct_barriers(barriers) -> list:
+  """`barriers` without repeats, by identity, in order. A wait flips the waiting thread's
+  phase bit of its barrier, so streams that share a barrier must be waited on once a step."""
+  seen = {}
+  for barrier in barriers:
+    seen.setdefault(id(barrier), barrier)
+  return list(seen.values())
+
+
+def wait_ready(streams, slot):
+  """A consumer's wait for `slot` of each of `streams`, once per distinct barrier."""
+  for ready in distinct_barriers(s.ready for s in streams):
+    plgpu.barrier_wait(ready.at[slot])
 
 
 def produce(streams, first_step, num_steps, num_stages: int):
@@ -224,6 +244,7 @@ def produce(streams, first_step, num_steps, num_stages: int):
     ring_step = first_step + step
     slot = slot_of(ring_step, num_stages)
     refill = ring_step >= num_stages  # The first pass over the ring has nothing to wait for.
+    waited = set()  # Streams that share barriers wait for their slot once.
     for stream in streams:
       if stream.position is not None:
         pl.when(stream.needed(step))(
@@ -233,13 +254,17 @@ def produce(streams, first_step, num_steps, num_stages: int):
       if stream.stages is not None:  # A ring of its own depth.
         own_slot = slot_of(ring_step, stream.stages)
         own_refill = ring_step >= stream.stages
-      _copy_dense(stream, step, own_slot, own_refill)
+      first = id(stream.consumed) not in waited
+      waited.add(id(stream.consumed))
+      _copy_dense(stream, step, own_slot, own_refill, wait=first)
 
 
-def _copy_dense(stream: Stream, step, slot, refill):
-  """A dense stream's block `step` into `slot`, once the slot's last use is over (`refill`);
-  a block it does not need completes the slot's `ready` phase without data."""
-  pl.when(refill)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
+def _copy_dense(stream: Stream, step, slot, refill, wait: bool = True):
+  """A dense stream's block `step` into `slot`, once the slot's last use is over (`refill`;
+  `wait` False: a stream sharing the barrier waited for it); a block it does not need
+  completes the slot's `ready` phase without data."""
+  if wait:
+    pl.when(refill)(lambda: plgpu.barrier_wait(stream.consumed.at[slot]))
   copy = lambda: plgpu.copy_gmem_to_smem(stream.src(step), stream.smem.at[slot],
                                          stream.ready.at[slot])
   if stream.needed is None:
@@ -309,7 +334,8 @@ def drain(streams, total_steps, num_stages: int, sparse_total=None):
   """Waits for the last use of every slot, so that no phase of a consumed barrier goes
   unobserved and no read of the ring is in flight when the CTA exits. A sparse stream
   (`Stream.position`) drains over its own positions: `sparse_total` of them."""
-  shared = [s for s in streams if s.position is None and s.stages is None]
+  distinct = {id(s.consumed): s for s in streams}.values()  # One per shared barrier.
+  shared = [s for s in distinct if s.position is None and s.stages is None]
   groups = [(shared, total_steps, num_stages)] if shared else []
   groups += [([s], total_steps if s.position is None else sparse_total, s.stages)
              for s in streams if s.stages is not None]

@@ -126,13 +126,20 @@ def test_ring_slots_read_with_loads_are_fenced(monkeypatch, feature, d):
   """A ring slot read with ordinary loads goes back to TMA only after a fence between the two
   memory proxies (`pipeline.order_loads_before_tma`; without it the D 256 bias forward raced
   on the H200). The bias's tiles and the segment ids add such slots to every kernel, so each
-  kernel has more proxy fences with the feature than without."""
+  kernel has more proxy fences with the feature than without. The exception: the dK/dV
+  kernel's step frees its shared slot once, after one fence that covers the LSE's, δ's and
+  the ids' loads alike (`dkv.shares_step_barriers`), so the ids add none there."""
+  from flash_attn_hopper.kernels import dkv  # pylint: disable=g-import-not-at-top
   fences = lambda modules: {name: text.count("nvvm.fence.proxy <async.shared>")
                             for name, text in modules.items()}
   without = fences(_kernel_modules(monkeypatch, d))
   with_feature = fences(_kernel_modules(monkeypatch, d, **FEATURES[feature]))
   assert set(with_feature) == set(without) and len(without) == 3, (without, with_feature)
   for name, count in with_feature.items():
+    if name == "dkv" and feature == "segments" and dkv.shares_step_barriers(
+        type("Dims", (), {"head_dim": d})):
+      assert count == without[name] > 0, f"{name}: {count} proxy fences, {without[name]} without"
+      continue
     assert count > without[name], f"{name}: {count} proxy fences, {without[name]} without {feature}"
 
 
@@ -180,3 +187,21 @@ def test_forward_epilogue_unhoisted_from_its_head_dim(monkeypatch):
       monkeypatch.setattr(forward, "UNHOISTED_EPILOGUE_MIN_HEAD_DIM", min_head_dim)
       counts.append(_kernel_modules(monkeypatch, d)["fwd"].count(_BARRIER))
     assert counts[1] - counts[0] == (d >= 256), (d, counts)
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+def test_dkv_step_streams_share_barriers_from_their_head_dim(monkeypatch):
+  """From `dkv.SHARED_STEP_BARRIERS_MIN_HEAD_DIM` on (D 128), the dK/dV step waits once for
+  Q, dO, the LSE and δ and frees their slot once (one barrier pair); at D 64 each stream
+  keeps its own pair, as with the switch off."""
+  from flash_attn_hopper.kernels import dkv  # pylint: disable=g-import-not-at-top
+  for d in (64, 128):
+    counts = []
+    for shared in (False, True):
+      monkeypatch.setattr(dkv, "SHARED_STEP_BARRIERS", shared)
+      text = _kernel_modules(monkeypatch, d)["dkv"]
+      counts.append((text.count("mbarrier.try_wait.parity"), text.count("mbarrier.init.shared")))
+    if d >= 128:
+      assert counts[1][0] < counts[0][0] and counts[1][1] < counts[0][1], (d, counts)
+    else:
+      assert counts[1] == counts[0], (d, counts)

@@ -72,6 +72,19 @@ OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 #: addresses. Unhoisting the next tile's loads as well gave the spills back (112 bytes).
 UNHOISTED_EPILOGUE = True
 
+#: The dense query streams of a step (Q, dO, the LSE, δ and the queries' segment ids) share
+#: one (ready, consumed) barrier pair: one wait and one arrival a step for all of them, and
+#: one phase word in registers instead of one per stream (`pipeline.stream_barrier_types`'
+#: `copies`). A bias keeps its own pair (it streams only where needed).
+#: Interleaved A/B on the H200 (2026-12-03, bf16 fwd+bwd, B·T = 16k, hidden 2048, non-causal;
+#: bench/results/h200_shared_step_barriers_ab.log, `scripts/ab_switches.py`), dK/dV ms
+#: separate → shared: D 128 4k 1.683 → 1.586 and 1.690 → 1.583, 16k 7.099 → 6.858 and
+#: 7.188 → 6.927; D 64 4k 1.818 → 1.848, 1.763 → 1.833 and 1.778 → 1.822, 16k 7.241 → 7.426
+#: and 7.209 → 7.429 (1k and causal within ±1.5% at both). ptxas, 1k persistent CTAs: D 128
+#: spill loads 124 → 100 bytes, causal 156/216 → 144/208, D 64 32/60 → 0/0. So from D 128 on.
+SHARED_STEP_BARRIERS = True
+SHARED_STEP_BARRIERS_MIN_HEAD_DIM = 128
+
 
 class _Refs(NamedTuple):
   q: object
@@ -187,8 +200,13 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
   q_s, do_s, lse_s, delta_s, *extra = streams  # (and the queries' ids, the bias)
   ids_s = extra.pop(0) if opts.segments else None
   bias_s = extra.pop(0) if opts.bias else None
-  for stream in streams:
-    plgpu.barrier_wait(stream.ready.at[slot])
+  pipeline.wait_ready(streams, slot)
+
+  shared = shares_step_barriers(dims)
+
+  def loaded(stream):  # Its slot, read with loads, is free (shared: once, at the end).
+    if not shared:
+      pipeline.free_after_loads(stream.consumed.at[slot])
   k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
   staging = None if refs.staging is None else refs.staging.at[wg]
 
@@ -205,7 +223,7 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
     segments = None
     if opts.segments:
       segments = (plgpu.load(refs.q_ids_ring.at[slot], layout=common.COLUMNS), k_ids)
-      pipeline.free_after_loads(ids_s.consumed.at[slot])
+      loaded(ids_s)
     element_masked = masked or not _edges_only(opts)
     if element_masked and (opts.mask.banded or opts.kv_lens or opts.segments):
       _, q0 = step_rows(step, tile, dims, cfg)
@@ -214,12 +232,12 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
       st = masking.apply_element_mask(st, q0, key0, seq_kv, opts.mask, key_axis=0,
                                       segments=segments)
     lse = plgpu.load(refs.lse_ring.at[slot], layout=common.COLUMNS)
-    pipeline.free_after_loads(lse_s.consumed.at[slot])
+    loaded(lse_s)
     return softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1), cap_grad
 
   def logits_grad(pt, dpt):
     delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
-    pipeline.free_after_loads(delta_s.consumed.at[slot])
+    loaded(delta_s)
     return softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
 
   shape = (cfg.block_kv, cfg.block_q)
@@ -243,9 +261,17 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
         (dv, dk), (pt.astype(dims.dtype), dst), (do_slot, q_slot),
         fused_dq.product(step=step, wg=wg, k_smem=refs.k_smem, buffers=refs.fused, dims=dims,
                          cfg=cfg), add, staging=staging)
-  plgpu.barrier_arrive(do_s.consumed.at[slot])
-  plgpu.barrier_arrive(q_s.consumed.at[slot])
+  if shared:  # After the LSE's and δ's loads, and dK's and dV's matmuls.
+    pipeline.free_after_loads(q_s.consumed.at[slot])
+  else:
+    plgpu.barrier_arrive(do_s.consumed.at[slot])
+    plgpu.barrier_arrive(q_s.consumed.at[slot])
   return dk, dv
+
+
+def shares_step_barriers(dims) -> bool:
+  """Whether the step's dense query streams share one barrier pair (`SHARED_STEP_BARRIERS`)."""
+  return SHARED_STEP_BARRIERS and dims.head_dim >= SHARED_STEP_BARRIERS_MIN_HEAD_DIM
 
 
 def _tile_copies(opts) -> int:
@@ -318,7 +344,7 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
 
   def run(tile: _Tile, ring0):
-    streams = query_streams(tile, refs, ring_barriers, dims, opts)
+    streams = query_streams(tile, refs, ring_barriers, dims, opts, shares_step_barriers(dims))
     dk, dv = _attend_tile(wg, tile, ring0, refs, streams, tile_ready, dims, opts,
                           sched.persistent)
     _store(_epilogue_wg(wg, sched), dk, dv, tile, refs, dims, opts)
@@ -334,17 +360,20 @@ def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
   def tile_streams(item: scheduler.Tile, ring: pipeline.Ring):
     tile = _tile(item, refs.masks, dims, opts)
     num_steps = dims.group * tile.steps_per_head
-    streams = query_streams(tile, refs, ring_barriers, dims, opts)
+    streams = query_streams(tile, refs, ring_barriers, dims, opts, shares_step_barriers(dims))
     return streams, num_steps, lambda: ring.advance(num_steps)
 
   # The drained streams' sources are not read (no tile).
-  common.produce_tiles(sched, tile_streams, query_streams(None, refs, ring_barriers, dims, opts),
-                       opts.config.num_stages)
+  drained = query_streams(None, refs, ring_barriers, dims, opts, shares_step_barriers(dims))
+  common.produce_tiles(sched, tile_streams, drained, opts.config.num_stages)
 
 
-def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
-  """Q, dO, the LSE, δ (and the queries' segment ids) of each step's query block. Shared
-  with `dkv_split`, whose refs and tiles carry the fields read here under the same names."""
+def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts, shared: bool = False
+                  ) -> tuple:
+  """Q, dO, the LSE, δ (and the queries' segment ids) of each step's query block, then the
+  bias's, on the (ready, consumed) pairs `barriers`: one pair per stream, or with `shared`,
+  one for all but the bias (`ring_barrier_types`). Shared with `dkv_split`, whose refs and
+  tiles carry the fields read here under the same names."""
   cfg = opts.config
 
   def rows(step):
@@ -368,8 +397,20 @@ def query_streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
                                                tile.key0, rows(step)[1]))
     rings.append(refs.bias_ring)
     needed.append(lambda step: _bias_needed(step, tile, refs.masks, dims, opts))
+  barriers = list(barriers)  # (`dkv_split` passes its mask's pair after these)
+  if shared:
+    barriers[:1] = barriers[:1] * (len(srcs) - bool(opts.bias))
   return tuple(pipeline.Stream(src, ring, ready, consumed, need) for src, ring,
                (ready, consumed), need in zip(srcs, rings, barriers, needed))
+
+
+def ring_barrier_types(stages: int, opts, shared: bool = False) -> tuple:
+  """The ring's (ready, consumed) barrier types, in `query_streams`' order: a pair per
+  stream, or with `shared` one for the dense streams and the bias's own."""
+  dense = 4 + bool(opts.segments)
+  pairs = [1] * dense if not shared else [dense]
+  pairs += [1] * bool(opts.bias)
+  return tuple(b for copies in pairs for b in pipeline.stream_barrier_types(stages, copies))
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
@@ -392,9 +433,8 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   )
   staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,
                                      interpret=opts.interpret)
-  num_streams = 4 + bool(opts.segments) + bool(opts.bias)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
-              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
+              *ring_barrier_types(stages, opts, shares_step_barriers(dims)))
   fused = fused_dq.smem_types(dims, cfg) if cfg.fused_dq else ()
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
