@@ -3,7 +3,9 @@
 e.g. `128,256 4096 bfloat16 regs:40/232,regs:24/240` or `64 4096 bfloat16
 sched:per_tile,sched:persistent`. A side is `regs:P/C` (`pipeline.PRODUCER_REGISTERS` /
 `COMPUTE_REGISTERS`) or `sched:per_tile|tuned|persistent` (`config.PERSISTENT_BACKWARD_MAX_STEPS`
-empty, as it is, or every backward tile persistent). B·T = 16k tokens, hidden 2048, causal
+empty, as it is, or every backward tile persistent), optionally followed by `+` and module
+assignments as `scripts/ab_switches.py` takes them
+(`sched:persistent+kernels.dkv.SHARED_STEP_BARRIERS=False`). B·T = 16k tokens, hidden 2048, causal
 and not; each side is compiled in this process (caches cleared between sides).
 
 With MOSAIC_GPU_DUMP_PTXAS set, Mosaic GPU prints `ptxas -v` on the process's stdout from C++;
@@ -89,6 +91,7 @@ def main(argv):
   from flash_attn_hopper import config as config_lib
   from flash_attn_hopper import pipeline
   from ab_common import fwd_bwd, race_inputs
+  from ab_switches import switched
 
   dims = [int(x) for x in (argv[1] if len(argv) > 1 else "64,128,256").split(",")]
   seqs = [int(x) for x in (argv[2] if len(argv) > 2 else "4096").split(",")]
@@ -106,9 +109,12 @@ def main(argv):
         grads = fwd_bwd(functools.partial(fah.dot_product_attention, is_causal=causal))
         reports = []
         for side in sides:
-          _apply(side, dims, originals)
+          parts = side.split("+")
+          base = [p for p in parts if "=" not in p] or ["sched:tuned"]
+          _apply("+".join(base), dims, originals)
           jax.clear_caches()
-          with captured_fd1() as text:
+          with switched("+".join(p for p in parts if "=" in p) or "base"), \
+               captured_fd1() as text:
             grads.lower(q, k, v, dout).compile()
           reports.append(parse(text[0]))
         _apply("sched:tuned", dims, originals)
