@@ -44,9 +44,11 @@ CHECK_ATOL = 2e-2
 def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False,
                block_qs=BLOCK_Q) -> list:
   itemsize = np.dtype(dtype).itemsize
-  if backward:  # dQ's ring one stage deep only where the shared one does not fit (D 256).
-    configs = [[fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=n, dq_num_stages=dq)
-                for dq in (None, 1)]
+  if backward:  # dQ's ring on 32-key blocks, or one stage deep, only where the shared one
+    # does not fit (D 256).
+    configs = [[fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=n, dq_num_stages=dq,
+                                   dq_block_kv=keys)
+                for dq, keys in ((None, None), (None, 32), (1, None))]
                for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2) for n in NUM_STAGES]
   else:
     configs = [[fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=n, overlap_softmax=o)]

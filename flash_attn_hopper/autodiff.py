@@ -1,7 +1,7 @@
 """Autodiff wiring of the kernel attention: a `jax.custom_vjp` over the kernels.
 
 Residuals are (q, k, v, out, lse). The backward runs in the Pallas kernels (δ preprocess, dQ,
-dK/dV; at D 256 dQ with a one-stage ring and the split dK/dV kernel). A bias's own gradient
+dK/dV; at D 256 dQ on 32-key blocks and the split dK/dV kernel). A bias's own gradient
 is the dQ kernel's dS, summed over the bias's broadcast dimensions, written only when the bias
 is differentiated (the custom VJP's symbolic zeros say whether it is: a constant bias, such as
 ALiBi's, costs no dS). `blockwise` (FlashAttention's backward in XLA ops, O(T) extra memory

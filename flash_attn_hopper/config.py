@@ -42,6 +42,11 @@ FUSED_DQ_DS_BUFFERS = 2
 #: D 128 each warpgroup takes one half of the columns every step; at D 64 the warpgroups
 #: take turns, one whole step each.
 FUSED_DQ_COLUMNS = 64
+#: `BackwardConfig.dq_block_kv` is a multiple of this: the dQ kernel's keys per step are the
+#: N of its S = Q Kᵀ and dP = dO Vᵀ wgmmas and the K of dQ += dS K, and 32 keys keep K's and
+#: V's ring tiles, the keys' segment ids and a mask's one-byte tiles (32 bytes a row) in
+#: shapes that TMA and the swizzled wgmma operands take.
+DQ_BLOCK_KV_MULTIPLE = 32
 
 
 def split_bias_stages(num_stages: int, full_bytes: int) -> int:
@@ -165,8 +170,13 @@ class BackwardConfig:
   block_kv: int = 64
   num_stages: int = 2
   #: Stages of the dQ kernel's K/V ring when it must differ from `num_stages` (None: the
-  #: same). At D 256 one stage is all that fits beside two warpgroups' Q and dO tiles.
+  #: same). At D 256 one stage of 64 keys is all that fits beside two warpgroups' Q and dO
+  #: tiles; `dq_block_kv` 32 fits two.
   dq_num_stages: int | None = None
+  #: Keys per step of the dQ kernel's K/V ring when it must differ from `block_kv` (None: the
+  #: same): a multiple of DQ_BLOCK_KV_MULTIPLE. At D 256, 32 keys let that ring take two
+  #: stages in the shared memory of one 64-key stage (`TUNED_BACKWARD`).
+  dq_block_kv: int | None = None
   #: FA3's five-matmul backward: no dQ kernel; the dK/dV kernel also computes dQ and adds it
   #: into a float32 accumulator with TMA reduce-adds in no fixed order, so dQ's bits may
   #: change from run to run (`kernels/fused_dq.py`). The op's `deterministic=False` takes it
@@ -177,6 +187,11 @@ class BackwardConfig:
   def __post_init__(self):
     _validate_tiles(self)
     _validate_optional_stages(self, "dq_num_stages")
+    keys = self.dq_block_kv
+    if keys is not None and (not isinstance(keys, (int, np.integer)) or isinstance(keys, bool)
+                             or keys <= 0 or keys % DQ_BLOCK_KV_MULTIPLE):
+      raise ValueError(f"BackwardConfig.dq_block_kv must be None or a positive multiple of "
+                       f"{DQ_BLOCK_KV_MULTIPLE}, got {keys!r}")
     if not isinstance(self.fused_dq, (bool, np.bool_)):
       raise TypeError(f"BackwardConfig.fused_dq must be a bool, got {self.fused_dq!r}")
 
@@ -184,6 +199,11 @@ class BackwardConfig:
   def dq_stages(self) -> int:
     """Slots of the dQ kernel's K/V ring."""
     return self.num_stages if self.dq_num_stages is None else self.dq_num_stages
+
+  @property
+  def dq_keys(self) -> int:
+    """Keys per step of the dQ kernel's K/V ring."""
+    return self.block_kv if self.dq_block_kv is None else self.dq_block_kv
 
   def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0, bias_grad: bool = False) -> int:
@@ -202,12 +222,12 @@ class BackwardConfig:
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
     q_rows = wgs * self.block_q
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
-          + 2 * self.dq_stages * self.block_kv * head_dim * itemsize
-          + self.dq_stages * q_rows * self.block_kv * bias_bytes
-          + (q_rows * self.block_kv * itemsize
+          + 2 * self.dq_stages * self.dq_keys * head_dim * itemsize
+          + self.dq_stages * q_rows * self.dq_keys * bias_bytes
+          + (q_rows * self.dq_keys * itemsize
              if bias_grad and head_dim <= DS_STAGING_MAX_HEAD_DIM else 0))
     if segments:
-      dq += (q_rows + self.dq_stages * self.block_kv) * 4
+      dq += (q_rows + self.dq_stages * self.dq_keys) * 4
     return max(dq, self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes))
 
   def _dkv_smem_bytes(self, head_dim: int, itemsize: int, segments: bool,
@@ -257,7 +277,7 @@ class BackwardConfig:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
           f"{SMEM_BUDGET}-byte budget; lower BackwardConfig.block_q, block_kv or num_stages, "
-          f"or set dq_num_stages=1 (dQ's ring)")
+          f"or set dq_num_stages=1 or a smaller dq_block_kv (dQ's ring)")
 
 
 # Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by
@@ -308,15 +328,22 @@ TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[int, ForwardConfig]] = {
 #   python -m bench.autotune --backward --head-dims 128,64 --seq-lens 1024,4096 --repeats 5
 # (bench/results/autotune_backward.json; geometric mean over T of the race grid's shapes, in
 # fwd+bwd TFLOP/s, against (64, 64, 2) beside it). block_kv 128 spills registers in dQ and
-# runs at half speed; block_q 128 pays only at D 64 without causal. D 256: the only shape that
-# fits both kernels (dQ's ring one stage deep; the split dK/dV kernel takes block_kv 64).
+# runs at half speed; block_q 128 pays only at D 64 without causal. D 256: the split dK/dV
+# kernel takes block_kv 64, and dQ's ring two stages of 32 keys (`dq_block_kv`) in the shared
+# memory of the one 64-key stage it had: measured on the H200 (jax 0.11.2, 2026-12-03, B·T = 16k,
+# hidden 2048, CUPTI, gradients checked against cuDNN's; bench/results/h200_dq_32_keys_ab.log) by
+#   python3 scripts/ab_configs.py --backward --head-dim 256 --configs tuned 64,64,2,2,32 ...
+# fwd+bwd ms, one 64-key stage → two 32-key stages, bf16: 1k 1.220 → 1.040, 4k 4.450 → 3.651,
+# 16k 17.748 → 15.895; causal 0.804 → 0.679, 2.424 → 2.056, 8.770 → 7.561 (fp16 4k 4.443 →
+# 3.741, causal 2.441 → 2.090). ptxas: dQ's spills 320 / 332 bytes → none (causal 792 / 824 →
+# 4 / 8).
 # A tuned entry that does not fit beside segment ids or a mask gives way to the default.
 TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
     (64, False): BackwardConfig(block_q=128, block_kv=64, num_stages=2),  # 368.3 (326.8)
     (64, True): BackwardConfig(block_q=64, block_kv=64, num_stages=3),    # 281.7 (271.6)
     (128, False): BackwardConfig(block_q=64, block_kv=64, num_stages=2),  # 460.9
     (128, True): BackwardConfig(block_q=64, block_kv=64, num_stages=3),   # 361.0 (348.0)
-    (256, False): BackwardConfig(dq_num_stages=1), (256, True): BackwardConfig(dq_num_stages=1),
+    (256, False): BackwardConfig(dq_block_kv=32), (256, True): BackwardConfig(dq_block_kv=32),
 }
 
 # The most ring steps a tile may stream for a backward kernel to run on persistent CTAs
@@ -324,7 +351,7 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 # head_dim, is_causal: a causal bound with no window on the left); past it, and for any key
 # not here, one CTA per tile (`kernels/common.backward_schedule`). A dQ tile streams
 # S / block_kv steps, a dK/dV tile group · T / block_q. Neither a bias nor segment ids go
-# persistent, nor a ring of one stage (D 256's dQ). Measured on an H200 with jax 0.11.2,
+# persistent, nor a ring of one stage. Measured on an H200 with jax 0.11.2,
 # 2026-12-02, bf16 fwd+bwd, B·T = 16k, hidden 2048, each kernel's time from the same profile,
 # every tile persistent against one CTA per tile, by
 #   PYTHONPATH=. python3 scripts/ab_backward_schedule.py 64,128 1024,2048,4096 bfloat16

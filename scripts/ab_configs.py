@@ -5,7 +5,8 @@ hidden 2048), interleaved over rounds, CUPTI device time:
       --causal both --configs tuned 128,64,2 128,64,2,o [--dtype float16] [--rounds 3]
   PYTHONPATH=. python3 scripts/ab_configs.py --backward --configs tuned 64,64,3 128,64,2
 A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `,o` for the
-forward's overlap_softmax, or a fourth number for the backward's dq_num_stages, or `,f` for
+forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
+for its dq_block_kv: `64,64,2,2,32`), or `,f` for
 its fused_dq (the five-matmul backward; `fused` alone is the op's `deterministic=False`). Each config's
 output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
 config's best-of-rounds median time, TFLOP/s and ratio to cuDNN."""
@@ -35,6 +36,7 @@ def parse_config(text: str, backward: bool):
     parts = parts[:-1] if fused else parts
     return fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                               dq_num_stages=int(parts[3]) if parts[3:] else None,
+                              dq_block_kv=int(parts[4]) if parts[4:] else None,
                               fused_dq=fused)
   return fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                            overlap_softmax=parts[3:] == ["o"])

@@ -1,7 +1,7 @@
 """Gradients on an H200, against the float32 reference's gradients for random cotangents.
 
-Every head dim runs the backward kernels (at D 256: dQ with a one-stage ring and the split
-dK/dV kernel, see `autodiff`).
+Every head dim runs the backward kernels (at D 256: dQ on 32-key blocks and the split dK/dV
+kernel, see `autodiff`).
 """
 
 from __future__ import annotations

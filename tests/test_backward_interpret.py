@@ -76,7 +76,7 @@ def test_jit_of_vmap_of_the_gradient(rng):
 
 
 def test_head_dim_256_gradients_come_from_the_kernels(rng, monkeypatch):
-  """dQ with a one-stage ring and the split dK/dV kernel; `blockwise` must not run."""
+  """dQ (on 32-key blocks) and the split dK/dV kernel; `blockwise` must not run."""
   from flash_attn_hopper import blockwise
 
   def refuse(*args, **kwargs):
@@ -144,14 +144,48 @@ def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
   testing.check_gradients(grads, q, k, v, dout, is_causal=True)
 
 
+#: D 256's dQ with 32-key blocks (its tuned config): two ring stages in the shared memory of
+#: one 64-key stage. Its Q, dO, K and V tiles take a 64-byte swizzle (`dq.operand_swizzle`).
+DQ_32_KEYS = fah.BackwardConfig(dq_block_kv=32)
+
+
+@pytest.mark.parametrize("feature", ["causal", "key_lengths", "segments", "bias"])
+def test_head_dim_256_dq_with_32_key_blocks(rng, feature):
+  """Every mask path of the dQ kernel (the causal edge, key lengths, the keys' segment ids,
+  a bias's ring and its gradient dS) on 32-key blocks, where the band's edges and the key
+  lengths fall inside a 64-key block of the dK/dV kernel; sizes are not multiples of 32."""
+  w = workloads.Workload("gqa_70x150_d256", batch=2, seq_q=70, seq_kv=150, num_q_heads=4,
+                         num_kv_heads=2, head_dim=256)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  kw = {
+      "causal": dict(is_causal=True),
+      "key_lengths": dict(key_value_seq_lengths=jnp.array([100, 45], jnp.int32)),
+      # Documents of random lengths; the queries' ids are the keys' first 70.
+      "segments": dict(segment_ids=(lambda ids: (ids[:, :70], ids))(jnp.asarray(
+          rng.integers(0, 3, (2, 150)).cumsum(1) // 40, jnp.int32))),
+      "bias": dict(bias=jnp.asarray(rng.standard_normal((2, 1, 70, 150)), jnp.bfloat16)),
+  }[feature]
+  f = lambda q, k, v, *b: fah.dot_product_attention(q, k, v, *b, interpret=True,
+                                                    backward_config=DQ_32_KEYS, **kw)
+  if feature == "bias":
+    bias = kw.pop("bias")
+    _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, b), q, k, v, bias)
+    testing.check_gradients(vjp(dout), q, k, v, dout, bias=bias, **kw)
+  else:
+    _, vjp = jax.vjp(f, q, k, v)
+    testing.check_gradients(vjp(dout), q, k, v, dout, **kw)
+
+
 @pytest.mark.parametrize("head_dim", (64, 256))
 @pytest.mark.parametrize("is_causal", (False, True))
 def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, backward_schedules,
                                                             is_causal, head_dim):
   """The backward kernels on persistent CTAs (two when interpreting, each running several
   tiles of both kernels, mirror pairs under causal) against one CTA per tile. At D 256 the
-  dK/dV kernel is the split one (`kernels/dkv_split.py`), and dQ, whose ring has one stage,
-  keeps one CTA per tile."""
+  dK/dV kernel is the split one (`kernels/dkv_split.py`), and dQ runs on 32-key blocks
+  (two ring stages; with one, as `BackwardConfig(dq_num_stages=1)` gives, it would keep one
+  CTA per tile)."""
   from flash_attn_hopper import config as config_lib
 
   # Even tile counts along T and S (so causal's pairs are dealt to the two CTAs), neither a
@@ -163,9 +197,8 @@ def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, ba
   always = {(kernel, head_dim, is_causal): 1 << 30 for kernel in ("dq", "dkv")}
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", always)
   persistent = _grads(q, k, v, dout, is_causal=is_causal)
-  dq_persistent = head_dim < config_lib.SPLIT_DKV_HEAD_DIM
   assert [(kernel, s.persistent) for kernel, s in backward_schedules] == [
-      ("dq", dq_persistent), ("dkv", True)]
+      ("dq", True), ("dkv", True)]
   assert all(s.num_ctas == 2 for _, s in backward_schedules if s.persistent)
   monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", {})
   per_tile = _grads(q, k, v, dout, is_causal=is_causal)

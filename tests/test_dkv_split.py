@@ -291,6 +291,14 @@ def test_config_budgets_the_split_kernel_as_it_allocates(segments, bias_bytes):
     config_lib.BackwardConfig().check_fits(256, 2)
   with pytest.raises(ValueError, match="BackwardConfig.dq_num_stages must be"):
     config_lib.BackwardConfig(dq_num_stages=0)
+  # dQ's ring on 32-key blocks: two stages fit at D 256 (the tuned entry), three do not.
+  config_lib.BackwardConfig(dq_block_kv=32).check_fits(256, 2, segments, bias_bytes)
+  with pytest.raises(ValueError, match="smaller dq_block_kv"):
+    config_lib.BackwardConfig(dq_block_kv=32, dq_num_stages=3).check_fits(256, 2)
+  for keys in (0, 48, 32.0, True):
+    with pytest.raises(ValueError, match="BackwardConfig.dq_block_kv must be None or a "
+                                         "positive multiple of 32"):
+      config_lib.BackwardConfig(dq_block_kv=keys)
 
 
 def _lower(*, dtype=jnp.bfloat16, t=1024, s=1024, heads=(8, 2), kv_lens=False,

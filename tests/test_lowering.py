@@ -76,7 +76,7 @@ def test_kernels_lower_for_hopper(feature, d, grad):
 @pytest.mark.usefixtures("as_if_on_hopper")
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_head_dim_256_backward_runs_the_split_kernel(feature):
-  """At D 256 the gradients come from dQ (one-stage ring) and the split dK/dV kernel."""
+  """At D 256 the gradients come from dQ (32-key blocks) and the split dK/dV kernel."""
   text = _lower(256, True, **dict(FEATURES[feature]))
   for name in ("fwd", "dq", "dkv_split"):
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"

@@ -279,11 +279,12 @@ def narrow_kv_blocks(band: masking.BlockRange, masks: MaskInputs, opts: Attentio
   return band
 
 
-def smem_tile(shape, dtype):
-  """A shared-memory tile in the swizzle that TMA writes and wgmma reads: 128 bytes, or the
-  row's width when a row is narrower (a mask's 64 one-byte entries)."""
+def smem_tile(shape, dtype, max_swizzle: int = hardware.SWIZZLE_BYTES):
+  """A shared-memory tile in the swizzle that TMA writes and wgmma reads: `max_swizzle`
+  bytes (128 unless a kernel needs narrower: `dq.operand_swizzle`), or the row's width when
+  a row is narrower (a mask's 64 one-byte entries)."""
   itemsize = jnp.dtype(dtype).itemsize
-  swizzle = min(hardware.SWIZZLE_BYTES, shape[-1] * itemsize)
+  swizzle = min(max_swizzle, shape[-1] * itemsize)
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
   return plgpu.SMEM(shape, dtype, transforms=transforms)

@@ -4,7 +4,9 @@ A tile is 2·block_q query rows of one (batch, query head), like the forward's: 
 warpgroup loads its Q, dO, LSE and δ once, and the producer streams K and V through the same
 ring as the forward's, over the same KV block range (`masking.kv_block_range`). A CTA runs
 one tile, or on persistent CTAs several (`common.backward_schedule`), the ring running on
-across them and the next tile's loads going under the epilogue:
+across them and the next tile's loads going under the epilogue. A KV block here is
+`BackwardConfig.dq_keys` keys (`block_kv`, or `dq_block_kv` where the ring wants smaller
+blocks to take two stages: D 256):
 
     per KV block:
       S = Q Kᵀ, dP = dO Vᵀ      issued together
@@ -37,6 +39,7 @@ from jax import lax
 
 from flash_attn_hopper import accumulate
 from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import hardware
 from flash_attn_hopper import masking
 from flash_attn_hopper import pipeline
 from flash_attn_hopper import scheduler
@@ -52,6 +55,14 @@ from flash_attn_hopper.kernels import common
 OVERLAP_MAX_HEAD_DIM = 128
 
 
+def operand_swizzle(cfg, dtype) -> int:
+  """The swizzle (bytes) of the kernel's wgmma operand tiles: Q, dO, K and V. dQ += dS K
+  contracts over a KV block's `dq_keys` rows, and Mosaic GPU issues a contraction in groups
+  of one swizzle row, so the row must not be wider than the block (32 two-byte keys: 64
+  bytes); S = Q Kᵀ needs Q's swizzle to match K's, and dP = dO Vᵀ dO's V's."""
+  return min(hardware.SWIZZLE_BYTES, cfg.dq_keys * jnp.dtype(dtype).itemsize)
+
+
 class _Refs(NamedTuple):
   q: object
   k: object
@@ -64,15 +75,15 @@ class _Refs(NamedTuple):
   do_smem: object
   lse_smem: object   # (compute warpgroups, block_q)
   delta_smem: object
-  k_ring: object     # (dq stages, block_kv, D)
+  k_ring: object     # (dq stages, dq keys, D)
   v_ring: object
-  staging: object    # interpreter only: (compute warpgroups, block_q, block_kv), else None
+  staging: object    # interpreter only: (compute warpgroups, block_q, dq keys), else None
   masks: common.MaskInputs  # key lengths, segment ids and spans in global memory
   q_ids_smem: object = None  # segments: (compute warpgroups, block_q) int32
-  ids_ring: object = None    # segments: (dq stages, block_kv) int32, the keys' ids
+  ids_ring: object = None    # segments: (dq stages, dq keys) int32, the keys' ids
   ds: object = None          # bias_grad: (B, N, T, S) dS out, in the bias's dtype
-  ds_smem: object = None     # bias_grad, D ≤ 128: (compute warpgroups, block_q, block_kv)
-  bias_ring: object = None   # bias: (dq stages, compute warpgroups, block_q, block_kv)
+  ds_smem: object = None     # bias_grad, D ≤ 128: (compute warpgroups, block_q, dq keys)
+  bias_ring: object = None   # bias: (dq stages, compute warpgroups, block_q, dq keys)
 
 
 def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s, v_s, ids_s,
@@ -87,12 +98,12 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
     s, cap_grad = opts.logits.transform(s, bias)
     k_ids = common.key_ids(ids_s, slot, load=masked)
     if masked:
-      s = masking.apply_element_mask(s, q0, step * cfg.block_kv,
-                                     masking.key_end_to_mask(seq_kv, cfg.block_kv), opts.mask,
+      s = masking.apply_element_mask(s, q0, step * cfg.dq_keys,
+                                     masking.key_end_to_mask(seq_kv, cfg.dq_keys), opts.mask,
                                      segments=None if k_ids is None else (q_ids, k_ids))
     return softmax.recompute(s, lse, opts.logits.exp2_scale), cap_grad
 
-  shape = (cfg.block_q, cfg.block_kv)
+  shape = (cfg.block_q, cfg.dq_keys)
   k_slot, v_slot = refs.k_ring.at[slot], refs.v_ring.at[slot]
   wait_v = lambda: plgpu.barrier_wait(v_s.ready.at[slot])
   if dims.head_dim <= OVERLAP_MAX_HEAD_DIM:
@@ -115,7 +126,7 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
 def _ds_block(refs: _Refs, tile: scheduler.Tile, q0, block, cfg):
   """The global-memory view of dS for this warpgroup's rows and KV block `block`."""
   return refs.ds.at[tile.batch, tile.head, pl.ds(q0, cfg.block_q),
-                    pl.ds(block * cfg.block_kv, cfg.block_kv)]
+                    pl.ds(block * cfg.dq_keys, cfg.dq_keys)]
 
 
 def _store_ds(ds, dst, ds_smem, wg):
@@ -136,7 +147,7 @@ def _zero_unvisited_ds(own: masking.BlockRange, tile: scheduler.Tile, q0, refs: 
   """Zeros into this warpgroup's dS blocks outside its own run (P = 0 there): from the
   staging tile, filled with zeros once, or (without staging tiles) from registers."""
   cfg = opts.config
-  zeros = common.zeros_accumulator((cfg.block_q, cfg.block_kv)).astype(dims.dtype)
+  zeros = common.zeros_accumulator((cfg.block_q, cfg.dq_keys)).astype(dims.dtype)
   if refs.ds_smem is not None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     refs.ds_smem.at[wg][...] = zeros
@@ -148,7 +159,7 @@ def _zero_unvisited_ds(own: masking.BlockRange, tile: scheduler.Tile, q0, refs: 
     else:
       plgpu.copy_smem_to_gmem(refs.ds_smem.at[wg], dst)
 
-  @pl.loop(0, pl.cdiv(refs.ds.shape[3], cfg.block_kv))
+  @pl.loop(0, pl.cdiv(refs.ds.shape[3], cfg.dq_keys))
   def _zero(block):
     pl.when(jnp.logical_or(block < own.first, block >= own.end))(
         lambda: zero(_ds_block(refs, tile, q0, block, cfg)))
@@ -262,7 +273,7 @@ def _kv_blocks(tile: scheduler.Tile, q0, rows: int, seq_kv, refs: _Refs,
                opts) -> masking.BlockRange:
   """The KV blocks the rows [q0, q0 + rows) saw in the forward: the band's, narrowed by
   segments and a mask."""
-  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.block_kv)
+  band = masking.kv_block_range(opts.mask, q0, rows, seq_kv, opts.config.dq_keys)
   return common.narrow_kv_blocks(band, refs.masks, opts, batch=tile.batch, head=tile.head,
                                  q0=q0, rows=rows)
 
@@ -284,7 +295,7 @@ def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, 
   srcs = [None, None]
   if tile is not None:
     kv_head = tile.head // dims.group
-    rows = lambda step: pl.ds((cta.first + step) * cfg.block_kv, cfg.block_kv)
+    rows = lambda step: pl.ds((cta.first + step) * cfg.dq_keys, cfg.dq_keys)
     srcs = [lambda step: refs.k.at[tile.batch, rows(step), kv_head],
             lambda step: refs.v.at[tile.batch, rows(step), kv_head]]
   sparse = [(None, None)] * 2
@@ -322,21 +333,23 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.dq_stages
+  operand = functools.partial(common.smem_tile, dtype=dims.dtype,
+                              max_swizzle=operand_swizzle(cfg, dims.dtype))
   scratch = (
-      common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
-      common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
+      operand((wgs, cfg.block_q, dims.head_dim)),
+      operand((wgs, cfg.block_q, dims.head_dim)),
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),
-      common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
-      common.smem_tile((stages, cfg.block_kv, dims.head_dim), dims.dtype),
+      operand((stages, cfg.dq_keys, dims.head_dim)),
+      operand((stages, cfg.dq_keys, dims.head_dim)),
       plgpu.SMEM((wgs, cfg.block_q), jnp.int32) if opts.segments else None,
-      plgpu.SMEM((stages, cfg.block_kv), jnp.int32) if opts.segments else None,
-      common.smem_tile((stages, wgs, cfg.block_q, cfg.block_kv), opts.bias_dtype(dims.dtype))
+      plgpu.SMEM((stages, cfg.dq_keys), jnp.int32) if opts.segments else None,
+      common.smem_tile((stages, wgs, cfg.block_q, cfg.dq_keys), opts.bias_dtype(dims.dtype))
       if opts.bias else None,
-      common.smem_tile((wgs, cfg.block_q, cfg.block_kv), dims.dtype)
+      common.smem_tile((wgs, cfg.block_q, cfg.dq_keys), dims.dtype)
       if ds and dims.head_dim <= config_lib.DS_STAGING_MAX_HEAD_DIM else None,
   )
-  staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.block_kv), dims.dtype,
+  staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.dq_keys), dims.dtype,
                                      interpret=opts.interpret)
   num_streams = 2 + bool(opts.segments) + bool(opts.bias)  # K, (ids,) (bias,) V
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
@@ -364,19 +377,19 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
   rows = pipeline.NUM_COMPUTE_WARPGROUPS * cfg.block_q
   num_q_tiles = pl.cdiv(q.shape[1], rows)
   masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_q_tiles * rows,
-                              seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.block_kv)
+                              seq_kv=k.shape[1], block_q=cfg.block_q, block_kv=cfg.dq_keys)
   masks = masks.with_bias(bias, rows=num_q_tiles * rows, row_block=cfg.block_q,
-                          col_block=cfg.block_kv)
+                          col_block=cfg.dq_keys)
   out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
   if opts.bias_grad:  # In whole tiles: stores are not clipped at T and S (sliced below).
-    shape = (num_q_tiles * rows, pl.cdiv(k.shape[1], cfg.block_kv) * cfg.block_kv)
+    shape = (num_q_tiles * rows, pl.cdiv(k.shape[1], cfg.dq_keys) * cfg.dq_keys)
     out_type = (out_type, jax.ShapeDtypeStruct((dims.batch, dims.num_q_heads, *shape),
                                                q.dtype))
   # Under a causal bound a head's last tiles see the most keys: with one CTA per tile they go
   # first, and the short ones fill the tail (a shortest-first order left the 16k causal grid's
   # last wave ~7% long in a list-scheduling model).
   sched = common.backward_schedule("dq", num_q_tiles, dims.num_q_heads, dims.batch, rows,
-                                   steps=pl.cdiv(k.shape[1], cfg.block_kv),
+                                   steps=pl.cdiv(k.shape[1], cfg.dq_keys),
                                    stages=cfg.dq_stages, head_dim=dims.head_dim, opts=opts,
                                    descending=opts.mask.upper is not None)
   out = common.launch(
