@@ -368,10 +368,16 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 # causal 3.3%, 1.9%, 1.9%, causal 4.8%, 4.1%, 2.4% (fwd+bwd 0.7–1.7 points of cuDNN); at 16k
 # (256 steps) causal dK/dV lost 1.6%. (Off at the nineteenth session's end, until the two
 # warpgroups met on tiles with no step: `dkv_split._meet_if_empty`.)
+# D 256's dQ on 32-key blocks (two stages; `TUNED_BACKWARD`), 2026-12-03, same setup, by
+# `... ab_backward_schedule.py 256 1024,2048,4096 bfloat16 tuned,persistent`
+# (bench/results/h200_dq_d256_persistent_ab.log), dQ ms per tile → persistent: causal 0.230 →
+# 0.214, 0.396 → 0.371, 0.730 → 0.692 (32, 64 and 128 steps; 0.229 → 0.214 and 0.739 →
+# 0.699 in a second run with the entry); not causal 0.348 → 0.356, 0.643 → 0.688, 1.250 →
+# 1.413. 16k causal (512 steps) not measured.
 PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
     ("dq", 64, True): 32, ("dq", 128, True): 32, ("dq", 128, False): 16,
     ("dkv", 64, True): 64, ("dkv", 128, True): 64, ("dkv", 128, False): 32,
-    ("dkv", 256, True): 64, ("dkv", 256, False): 64,
+    ("dkv", 256, True): 64, ("dkv", 256, False): 64, ("dq", 256, True): 128,
 }
 
 # Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many
