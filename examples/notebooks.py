@@ -150,9 +150,10 @@ def ratio_plot(results, pass_name, dtype, title):
     print(f"geomean ours/cuDNN {title}:", float(np.exp(np.mean(np.log(ratios)))))
 
 ratio_plot("h200_forward.json", "fwd", "float16", "forward, fp16")"""),
-        ("md", "Forward + backward, bf16 (`h200_backward.json`): our backward kernels at every "
-               "head dim."),
-        ("code", 'ratio_plot("h200_backward.json", "fwdbwd", "bfloat16", "fwd+bwd, bf16")'),
+        ("md", "Forward + backward (`h200_fwdbwd_bf16.json`, `h200_fwdbwd_fp16.json`): our "
+               "backward kernels at every head dim."),
+        ("code", 'ratio_plot("h200_fwdbwd_bf16.json", "fwdbwd", "bfloat16", "fwd+bwd, bf16")\n'
+                 'ratio_plot("h200_fwdbwd_fp16.json", "fwdbwd", "float16", "fwd+bwd, fp16")'),
     ],
     "flax": [
         ("md", "# In a flax model\n\n`fah.flax_attention_fn()` is an `attention_fn` for "
