@@ -217,19 +217,21 @@ def stream_barrier_types(num_stages: int, copies: int = 1) -> tuple:
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
 
 
-def distinct_barriers(barriers) -> list:
-  """`barriers` without repeats, by identity, in order. A wait flips the waiting thread's
-  phase bit of its barrier, so streams that share a barrier must be waited on once a step."""
+def first_per_barrier(streams, barrier) -> list:
+  """The streams of `streams`, in order, whose `barrier(stream)` (their `ready` or their
+  `consumed`) no earlier stream has, by identity. A wait flips the waiting thread's phase bit
+  of its barrier, so streams that share a barrier must be waited on once a step: through the
+  first of them."""
   seen = {}
-  for barrier in barriers:
-    seen.setdefault(id(barrier), barrier)
+  for stream in streams:
+    seen.setdefault(id(barrier(stream)), stream)
   return list(seen.values())
 
 
 def wait_ready(streams, slot):
   """A consumer's wait for `slot` of each of `streams`, once per distinct barrier."""
-  for ready in distinct_barriers(s.ready for s in streams):
-    plgpu.barrier_wait(ready.at[slot])
+  for stream in first_per_barrier(streams, lambda s: s.ready):
+    plgpu.barrier_wait(stream.ready.at[slot])
 
 
 def produce(streams, first_step, num_steps, num_stages: int):
@@ -239,12 +241,15 @@ def produce(streams, first_step, num_steps, num_stages: int):
   of a persistent CTA). Streams are issued in order at each step: put first what the
   consumers need first.
   """
+  # Streams that share barriers wait for their slot once, through the first of them.
+  dense = [s for s in streams if s.position is None]
+  waiters = {id(s) for s in first_per_barrier(dense, lambda s: s.consumed)}
+
   @pl.loop(0, num_steps)
   def _load(step):
     ring_step = first_step + step
     slot = slot_of(ring_step, num_stages)
     refill = ring_step >= num_stages  # The first pass over the ring has nothing to wait for.
-    waited = set()  # Streams that share barriers wait for their slot once.
     for stream in streams:
       if stream.position is not None:
         pl.when(stream.needed(step))(
@@ -254,9 +259,7 @@ def produce(streams, first_step, num_steps, num_stages: int):
       if stream.stages is not None:  # A ring of its own depth.
         own_slot = slot_of(ring_step, stream.stages)
         own_refill = ring_step >= stream.stages
-      first = id(stream.consumed) not in waited
-      waited.add(id(stream.consumed))
-      _copy_dense(stream, step, own_slot, own_refill, wait=first)
+      _copy_dense(stream, step, own_slot, own_refill, wait=id(stream) in waiters)
 
 
 def _copy_dense(stream: Stream, step, slot, refill, wait: bool = True):
@@ -334,7 +337,7 @@ def drain(streams, total_steps, num_stages: int, sparse_total=None):
   """Waits for the last use of every slot, so that no phase of a consumed barrier goes
   unobserved and no read of the ring is in flight when the CTA exits. A sparse stream
   (`Stream.position`) drains over its own positions: `sparse_total` of them."""
-  distinct = {id(s.consumed): s for s in streams}.values()  # One per shared barrier.
+  distinct = first_per_barrier(streams, lambda s: s.consumed)
   shared = [s for s in distinct if s.position is None and s.stages is None]
   groups = [(shared, total_steps, num_stages)] if shared else []
   groups += [([s], total_steps if s.position is None else sparse_total, s.stages)

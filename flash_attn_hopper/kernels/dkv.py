@@ -202,7 +202,7 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
   bias_s = extra.pop(0) if opts.bias else None
   pipeline.wait_ready(streams, slot)
 
-  shared = shares_step_barriers(dims)
+  shared = shares_step_barriers(dims.head_dim)
 
   def loaded(stream):  # Its slot, read with loads, is free (shared: once, at the end).
     if not shared:
@@ -269,9 +269,10 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
   return dk, dv
 
 
-def shares_step_barriers(dims) -> bool:
-  """Whether the step's dense query streams share one barrier pair (`SHARED_STEP_BARRIERS`)."""
-  return SHARED_STEP_BARRIERS and dims.head_dim >= SHARED_STEP_BARRIERS_MIN_HEAD_DIM
+def shares_step_barriers(head_dim: int) -> bool:
+  """Whether the step's dense query streams share one barrier pair (`SHARED_STEP_BARRIERS`)
+  at this head dim."""
+  return SHARED_STEP_BARRIERS and head_dim >= SHARED_STEP_BARRIERS_MIN_HEAD_DIM
 
 
 def _tile_copies(opts) -> int:
@@ -342,9 +343,10 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
   tile's K and V once dK and dV have left through their buffers; the producer streams the
   next tile's queries meanwhile."""
   plgpu.set_max_registers(pipeline.COMPUTE_REGISTERS, action="increase")
+  shared = shares_step_barriers(dims.head_dim)
 
   def run(tile: _Tile, ring0):
-    streams = query_streams(tile, refs, ring_barriers, dims, opts, shares_step_barriers(dims))
+    streams = query_streams(tile, refs, ring_barriers, dims, opts, shared)
     dk, dv = _attend_tile(wg, tile, ring0, refs, streams, tile_ready, dims, opts,
                           sched.persistent)
     _store(_epilogue_wg(wg, sched), dk, dv, tile, refs, dims, opts)
@@ -357,14 +359,16 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
   """Streams each tile's query blocks through the ring, which runs on across the CTA's
   tiles."""
+  shared = shares_step_barriers(dims.head_dim)
+
   def tile_streams(item: scheduler.Tile, ring: pipeline.Ring):
     tile = _tile(item, refs.masks, dims, opts)
     num_steps = dims.group * tile.steps_per_head
-    streams = query_streams(tile, refs, ring_barriers, dims, opts, shares_step_barriers(dims))
+    streams = query_streams(tile, refs, ring_barriers, dims, opts, shared)
     return streams, num_steps, lambda: ring.advance(num_steps)
 
   # The drained streams' sources are not read (no tile).
-  drained = query_streams(None, refs, ring_barriers, dims, opts, shares_step_barriers(dims))
+  drained = query_streams(None, refs, ring_barriers, dims, opts, shared)
   common.produce_tiles(sched, tile_streams, drained, opts.config.num_stages)
 
 
@@ -434,7 +438,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,
                                      interpret=opts.interpret)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
-              *ring_barrier_types(stages, opts, shares_step_barriers(dims)))
+              *ring_barrier_types(stages, opts, shares_step_barriers(dims.head_dim)))
   fused = fused_dq.smem_types(dims, cfg) if cfg.fused_dq else ()
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, k_ids_smem, q_ids_ring,
