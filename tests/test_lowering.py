@@ -204,3 +204,22 @@ def test_dkv_step_streams_share_barriers_from_their_head_dim(monkeypatch):
       assert counts[1][0] < counts[0][0] and counts[1][1] < counts[0][1], (d, counts)
     else:
       assert counts[1] == counts[0], (d, counts)
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("feature", ["dense", "segments", "bias"])
+def test_dq_kv_share_barriers_behind_their_switch(monkeypatch, feature):
+  """`dq.SHARED_KV_BARRIERS` puts K and V of a step on one barrier pair: fewer waits and
+  barrier inits in the dQ kernel, with the keys' ids and a bias beside them; the other
+  kernels wait as often as before."""
+  from flash_attn_hopper.kernels import dq  # pylint: disable=g-import-not-at-top
+  counts, others = [], []
+  for shared in (False, True):
+    monkeypatch.setattr(dq, "SHARED_KV_BARRIERS", shared)
+    modules = _kernel_modules(monkeypatch, 64, **FEATURES[feature])
+    text = modules["dq"]
+    counts.append((text.count("mbarrier.try_wait.parity"), text.count("mbarrier.init.shared")))
+    others.append({name: t.count("mbarrier.try_wait.parity") for name, t in modules.items()
+                   if name != "dq"})
+  assert counts[1][0] < counts[0][0] and counts[1][1] < counts[0][1], counts
+  assert others[0] == others[1], others

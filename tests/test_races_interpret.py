@@ -129,3 +129,29 @@ def test_persistent_backward_is_race_free(rng, capsys, monkeypatch, d):
   _run(q, k, v, True, is_causal=True)
   out = capsys.readouterr().out
   assert RACE not in out, out[out.index(RACE):][:3000]
+
+
+@pytest.mark.usefixtures("detect_races")
+@pytest.mark.parametrize("name", ["segments_grad", "bias_grad", "persistent_causal_grad"])
+def test_dq_with_kv_on_one_barrier_pair(rng, capsys, monkeypatch, name):
+  """`dq.SHARED_KV_BARRIERS` (off by default, not yet measured on a GPU): K and V of a dQ step
+  on one barrier pair, the keys' ids and a bias on their own, the blocks of the other
+  warpgroup released once per pair, persistent CTAs draining it once. Race-free, and the
+  gradients still match the reference."""
+  from flash_attn_hopper import config as config_lib
+  from flash_attn_hopper.kernels import dq
+  monkeypatch.setattr(dq, "SHARED_KV_BARRIERS", True)
+  if name == "persistent_causal_grad":
+    monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS",
+                        {("dq", 64, True): 1 << 30})
+    t, s, kw = 256, 256, dict(is_causal=True)
+  else:
+    t, s, _, _, arguments = CASES[name]
+    kw = arguments(rng)
+  q, k, v = _inputs(rng, t, s)
+  dout = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), q.dtype)
+  attn = functools.partial(fah.dot_product_attention, interpret=True)
+  grads = jax.block_until_ready(testing.gradients(attn, q, k, v, dout, **kw))
+  out = capsys.readouterr().out
+  assert RACE not in out, out[out.index(RACE):][:3000]
+  testing.check_gradients(grads, q, k, v, dout, **kw)

@@ -54,6 +54,13 @@ from flash_attn_hopper.kernels import common
 #: flight.
 OVERLAP_MAX_HEAD_DIM = 128
 
+#: K and V of a step share one (ready, consumed) barrier pair: one wait a step (S then starts
+#: only once V has landed too) and one arrival, after dQ += dS K, instead of a pair each (the
+#: keys' ids and the bias keep their own). The dK/dV kernel's query streams gained 3–6% at
+#: D 128 from the same (`dkv.SHARED_STEP_BARRIERS`). Off: not measured on a GPU yet
+#: (`scripts/ab_switches.py ... base,kernels.dq.SHARED_KV_BARRIERS=True`).
+SHARED_KV_BARRIERS = False
+
 
 def operand_swizzle(cfg, dtype) -> int:
   """The swizzle (bytes) of the kernel's wgmma operand tiles: Q, dO, K and V. dQ += dS K
@@ -105,7 +112,8 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
 
   shape = (cfg.block_q, cfg.dq_keys)
   k_slot, v_slot = refs.k_ring.at[slot], refs.v_ring.at[slot]
-  wait_v = lambda: plgpu.barrier_wait(v_s.ready.at[slot])
+  shared = v_s.ready is k_s.ready  # (`SHARED_KV_BARRIERS`: V landed with K.)
+  wait_v = lambda: None if shared else plgpu.barrier_wait(v_s.ready.at[slot])
   if dims.head_dim <= OVERLAP_MAX_HEAD_DIM:
     (p, cap_grad), dp = common.overlapped_matmuls(
         (q_smem, k_slot.T, shape), (do_smem, v_slot.T, shape), probabilities,
@@ -114,7 +122,8 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
     p, cap_grad = probabilities(common.matmul(q_smem, k_slot.T, shape))
     wait_v()
     dp = common.matmul(do_smem, v_slot.T, shape)
-  plgpu.barrier_arrive(v_s.consumed.at[slot])
+  if not shared:
+    plgpu.barrier_arrive(v_s.consumed.at[slot])
   ds = softmax.logits_grad(p, dp, delta, cap_grad=cap_grad).astype(dims.dtype)
   if refs.ds is not None:
     _store_ds(ds, _ds_block(refs, tile, q0, step, cfg), refs.ds_smem, wg)
@@ -167,8 +176,8 @@ def _zero_unvisited_ds(own: masking.BlockRange, tile: scheduler.Tile, q0, refs: 
 
 def _release_step(step, _, *, ring0, streams, num_stages):
   """A block streamed for the other warpgroup only (masks): observe it and free its slot
-  (a sparse stream's only when it streamed the block)."""
-  for stream in streams:
+  (a sparse stream's only when it streamed the block), once per barrier pair."""
+  for stream in pipeline.first_per_barrier(streams, lambda s: s.ready):
     pipeline.release(stream, ring0 + step, num_stages)
 
 
@@ -299,6 +308,9 @@ def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, 
     srcs = [lambda step: refs.k.at[tile.batch, rows(step), kv_head],
             lambda step: refs.v.at[tile.batch, rows(step), kv_head]]
   sparse = [(None, None)] * 2
+  pairs = list(zip(ring_barriers[::2], ring_barriers[1::2]))  # (ready, consumed)
+  if SHARED_KV_BARRIERS:  # V's pair is K's (`_ring_barrier_types`).
+    pairs.append(pairs[0])
   if opts.bias:
     srcs.insert(1, None if tile is None else lambda step: common.bias_block(
         refs.masks, opts, tile.batch, tile.head, tile.row0, rows(step)))
@@ -311,8 +323,16 @@ def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, 
     rings.insert(1, refs.ids_ring)
     sparse.insert(1, (None, None))
   return tuple(pipeline.Stream(src, ring_smem, ready, consumed, *needs)
-               for src, ring_smem, ready, consumed, needs in zip(
-                   srcs, rings, ring_barriers[::2], ring_barriers[1::2], sparse))
+               for src, ring_smem, (ready, consumed), needs in zip(srcs, rings, pairs, sparse))
+
+
+def _ring_barrier_types(stages: int, opts) -> tuple:
+  """The ring's (ready, consumed) barrier types in `_streams`' order: a pair for K, (the
+  keys' ids,) (the bias,) V; with `SHARED_KV_BARRIERS` K's pair takes both K's and V's copies,
+  and V has none of its own."""
+  copies = [2 if SHARED_KV_BARRIERS else 1] + [1] * (bool(opts.segments) + bool(opts.bias))
+  copies += [] if SHARED_KV_BARRIERS else [1]
+  return tuple(b for n in copies for b in pipeline.stream_barrier_types(stages, n))
 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
@@ -351,9 +371,8 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   )
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.dq_keys), dims.dtype,
                                      interpret=opts.interpret)
-  num_streams = 2 + bool(opts.segments) + bool(opts.bias)  # K, (ids,) (bias,) V
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
-              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)))
+              *_ring_barrier_types(stages, opts))
 
   def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, q_ids_smem, ids_ring,
              bias_ring, ds_smem, *rest):
