@@ -217,6 +217,13 @@ def stream_barrier_types(num_stages: int, copies: int = 1) -> tuple:
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages))
 
 
+def ring_barrier_types(num_stages: int, copies) -> tuple:
+  """The (ready, consumed) barrier types of a ring's streams, flat and in order: a pair per
+  entry of `copies`, each the number of dense streams sharing that pair
+  (`stream_barrier_types`)."""
+  return tuple(b for n in copies for b in stream_barrier_types(num_stages, n))
+
+
 def first_per_barrier(streams, barrier) -> list:
   """The streams of `streams`, in order, whose `barrier(stream)` (their `ready` or their
   `consumed`) no earlier stream has, by identity. A wait flips the waiting thread's phase bit

@@ -414,7 +414,7 @@ def ring_barrier_types(stages: int, opts, shared: bool = False) -> tuple:
   dense = 4 + bool(opts.segments)
   pairs = [1] * dense if not shared else [dense]
   pairs += [1] * bool(opts.bias)
-  return tuple(b for copies in pairs for b in pipeline.stream_barrier_types(stages, copies))
+  return pipeline.ring_barrier_types(stages, pairs)
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):

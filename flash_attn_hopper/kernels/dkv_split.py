@@ -537,7 +537,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
               plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ ready
               plgpu.Barrier(num_arrivals=1, num_barriers=P_SLOTS),  # Pᵀ consumed
               *met_type,
-              *(b for _ in range(num_streams) for b in pipeline.stream_barrier_types(stages)),
+              *pipeline.ring_barrier_types(stages, [1] * num_streams),
               *(pipeline.stream_barrier_types(bias_ring) if opts.bias else ()))
 
   def scoped(k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, p_smem, k_ids_smem,

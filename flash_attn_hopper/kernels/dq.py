@@ -332,7 +332,7 @@ def _ring_barrier_types(stages: int, opts) -> tuple:
   and V has none of its own."""
   copies = [2 if SHARED_KV_BARRIERS else 1] + [1] * (bool(opts.segments) + bool(opts.bias))
   copies += [] if SHARED_KV_BARRIERS else [1]
-  return tuple(b for n in copies for b in pipeline.stream_barrier_types(stages, n))
+  return pipeline.ring_barrier_types(stages, copies)
 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
