@@ -209,13 +209,13 @@ def test_dkv_step_streams_share_barriers_from_their_head_dim(monkeypatch):
 @pytest.mark.usefixtures("as_if_on_hopper")
 @pytest.mark.parametrize("feature", ["dense", "segments", "bias"])
 def test_dq_kv_share_barriers_behind_their_switch(monkeypatch, feature):
-  """`dq.SHARED_KV_BARRIERS` puts K and V of a step on one barrier pair: fewer waits and
+  """`dq.shares_kv_barriers` puts K and V of a step on one barrier pair: fewer waits and
   barrier inits in the dQ kernel, with the keys' ids and a bias beside them; the other
   kernels wait as often as before."""
   from flash_attn_hopper.kernels import dq  # pylint: disable=g-import-not-at-top
   counts, others = [], []
   for shared in (False, True):
-    monkeypatch.setattr(dq, "SHARED_KV_BARRIERS", shared)
+    monkeypatch.setattr(dq, "SHARED_KV_BARRIERS_HEAD_DIMS", {64} if shared else set())
     modules = _kernel_modules(monkeypatch, 64, **FEATURES[feature])
     text = modules["dq"]
     counts.append((text.count("mbarrier.try_wait.parity"), text.count("mbarrier.init.shared")))

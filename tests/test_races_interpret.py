@@ -134,13 +134,13 @@ def test_persistent_backward_is_race_free(rng, capsys, monkeypatch, d):
 @pytest.mark.usefixtures("detect_races")
 @pytest.mark.parametrize("name", ["segments_grad", "bias_grad", "persistent_causal_grad"])
 def test_dq_with_kv_on_one_barrier_pair(rng, capsys, monkeypatch, name):
-  """`dq.SHARED_KV_BARRIERS` (off by default, not yet measured on a GPU): K and V of a dQ step
+  """`dq.shares_kv_barriers` (on at D 128, here switched on at D 64): K and V of a dQ step
   on one barrier pair, the keys' ids and a bias on their own, the blocks of the other
   warpgroup released once per pair, persistent CTAs draining it once. Race-free, and the
   gradients still match the reference."""
   from flash_attn_hopper import config as config_lib
   from flash_attn_hopper.kernels import dq
-  monkeypatch.setattr(dq, "SHARED_KV_BARRIERS", True)
+  monkeypatch.setattr(dq, "SHARED_KV_BARRIERS_HEAD_DIMS", {64})
   if name == "persistent_causal_grad":
     monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS",
                         {("dq", 64, True): 1 << 30})

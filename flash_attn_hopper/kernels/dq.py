@@ -56,10 +56,22 @@ OVERLAP_MAX_HEAD_DIM = 128
 
 #: K and V of a step share one (ready, consumed) barrier pair: one wait a step (S then starts
 #: only once V has landed too) and one arrival, after dQ += dS K, instead of a pair each (the
-#: keys' ids and the bias keep their own). The dK/dV kernel's query streams gained 3–6% at
-#: D 128 from the same (`dkv.SHARED_STEP_BARRIERS`). Off: not measured on a GPU yet
-#: (`scripts/ab_switches.py ... base,kernels.dq.SHARED_KV_BARRIERS=True`).
-SHARED_KV_BARRIERS = False
+#: keys' ids and the bias keep their own). Only at the head dims where it measured faster: on
+#: the H200 (jax 0.11.2, 2026-12-03, bf16 fwd+bwd, B·T = 16k, hidden 2048, interleaved with
+#: cuDNN, CUPTI; bench/results/h200_dq_shared_kv_ab.log) by
+#:   PYTHONPATH=.:scripts python3 scripts/ab_switches.py fwdbwd 64,128,256 4096,16384
+#:       bfloat16 both base,kernels.dq.SHARED_KV_BARRIERS_HEAD_DIMS=(64,128,256)
+#: dQ ms, a pair each → shared: D 128 4k 1.123 → 1.074, causal 0.590 → 0.590; 16k 4.769 →
+#: 4.426, causal 2.227 → 2.080. D 64 lost (4k 1.368 → 1.428, 16k causal 2.820 → 3.028), and
+#: D 256 was mixed (4k 1.283 → 1.312, causal 0.695 → 0.666; 16k 5.469 → 5.683).
+SHARED_KV_BARRIERS = True
+SHARED_KV_BARRIERS_HEAD_DIMS = frozenset({128})
+
+
+def shares_kv_barriers(head_dim: int) -> bool:
+  """Whether K and V of a step share one barrier pair (`SHARED_KV_BARRIERS`) at this head
+  dim."""
+  return SHARED_KV_BARRIERS and head_dim in SHARED_KV_BARRIERS_HEAD_DIMS
 
 
 def operand_swizzle(cfg, dtype) -> int:
@@ -112,7 +124,7 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
 
   shape = (cfg.block_q, cfg.dq_keys)
   k_slot, v_slot = refs.k_ring.at[slot], refs.v_ring.at[slot]
-  shared = v_s.ready is k_s.ready  # (`SHARED_KV_BARRIERS`: V landed with K.)
+  shared = v_s.ready is k_s.ready  # (`shares_kv_barriers`: V landed with K.)
   wait_v = lambda: None if shared else plgpu.barrier_wait(v_s.ready.at[slot])
   if dims.head_dim <= OVERLAP_MAX_HEAD_DIM:
     (p, cap_grad), dp = common.overlapped_matmuls(
@@ -309,7 +321,7 @@ def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, 
             lambda step: refs.v.at[tile.batch, rows(step), kv_head]]
   sparse = [(None, None)] * 2
   pairs = list(zip(ring_barriers[::2], ring_barriers[1::2]))  # (ready, consumed)
-  if SHARED_KV_BARRIERS:  # V's pair is K's (`_ring_barrier_types`).
+  if shares_kv_barriers(dims.head_dim):  # V's pair is K's (`_ring_barrier_types`).
     pairs.append(pairs[0])
   if opts.bias:
     srcs.insert(1, None if tile is None else lambda step: common.bias_block(
@@ -326,12 +338,13 @@ def _streams(tile: scheduler.Tile | None, cta: masking.BlockRange | None, ring, 
                for src, ring_smem, (ready, consumed), needs in zip(srcs, rings, pairs, sparse))
 
 
-def _ring_barrier_types(stages: int, opts) -> tuple:
+def _ring_barrier_types(stages: int, head_dim: int, opts) -> tuple:
   """The ring's (ready, consumed) barrier types in `_streams`' order: a pair for K, (the
-  keys' ids,) (the bias,) V; with `SHARED_KV_BARRIERS` K's pair takes both K's and V's copies,
-  and V has none of its own."""
-  copies = [2 if SHARED_KV_BARRIERS else 1] + [1] * (bool(opts.segments) + bool(opts.bias))
-  copies += [] if SHARED_KV_BARRIERS else [1]
+  keys' ids,) (the bias,) V; where K and V share (`shares_kv_barriers`), K's pair takes both
+  K's and V's copies, and V has none of its own."""
+  shared = shares_kv_barriers(head_dim)
+  copies = [2 if shared else 1] + [1] * (bool(opts.segments) + bool(opts.bias))
+  copies += [] if shared else [1]
   return pipeline.ring_barrier_types(stages, copies)
 
 
@@ -372,7 +385,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   staging = accumulate.staging_types(wgs, (cfg.block_q, cfg.dq_keys), dims.dtype,
                                      interpret=opts.interpret)
   barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
-              *_ring_barrier_types(stages, opts))
+              *_ring_barrier_types(stages, dims.head_dim, opts))
 
   def scoped(q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, q_ids_smem, ids_ring,
              bias_ring, ds_smem, *rest):
