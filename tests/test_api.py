@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -240,8 +241,11 @@ def test_every_tuned_backward_config_fits(head_dim, is_causal, seq_len, features
   assert cfg.smem_bytes(head_dim, 2, **features) <= config_lib.SMEM_BUDGET
 
 
-def test_long_sequences_take_their_own_backward_config():
-  (length, long_cfg), = [v for k, v in config_lib.TUNED_BACKWARD_LONG.items() if k == (128, True)]
-  short = config_lib.resolve_backward_config(128, jnp.bfloat16, True, seq_len=length - 128)
-  assert short == config_lib.TUNED_BACKWARD[(128, True)] != long_cfg
-  assert config_lib.resolve_backward_config(128, jnp.bfloat16, True, seq_len=length) == long_cfg
+@pytest.mark.parametrize("key", sorted(config_lib.TUNED_BACKWARD_LONG), ids=str)
+def test_long_sequences_take_their_own_backward_config(key):
+  head_dim, is_causal = key
+  length, long_cfg = config_lib.TUNED_BACKWARD_LONG[key]
+  resolve = functools.partial(config_lib.resolve_backward_config, head_dim, jnp.bfloat16,
+                              is_causal)
+  assert resolve(seq_len=length - 128) == config_lib.TUNED_BACKWARD[key] != long_cfg
+  assert resolve(seq_len=length) == long_cfg
