@@ -8,6 +8,10 @@ Usage (from the repository root):
   python -m bench --peers cudnn --seq-lens 4096 --head-dims 128 --dtypes bfloat16 --causal yes
   python -m bench --list                      # print the planned cells only
 
+A run cut short by --time-budget (a device call has ten minutes) is finished by a second run
+with the same options and --resume <first run's JSON>: the workloads that ran in full there
+are kept as they are, each row's cells from one run (bench/resume.py), and the rest run.
+
 CPU smoke run (no GPU: ours runs in the Mosaic GPU interpreter, XLA is the only peer; XLA on
 CPU has no fp16 dot, so bf16; --tokens/--hidden shrink the grid to B=1, N=2):
 

@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 
-from bench import grid, options, plot, progress, report, timing
+from bench import grid, options, plot, progress, report, resume, timing
 from bench.peers import OURS, available_peers, ours_peer
 from bench.runner import RunConfig, count_cells, iter_cells
 
@@ -82,10 +82,11 @@ def _loud_fail(bar, r):
   bar.write(f"!!! FAIL {r.peer} {r.pass_name} {r.workload.name}: {r.note}", file=sys.stderr)
 
 
-def _run(workloads, peers, config, args, on_result) -> tuple[list, bool]:
-  """Runs every cell with a progress bar; returns the results and whether all ran."""
+def _run(workloads, peers, config, args, on_result, kept=()) -> tuple[list, bool]:
+  """Runs every cell with a progress bar; returns the results (after `kept`, an earlier
+  run's) and whether all ran."""
   bar = progress.make_bar(count_cells(workloads, config, peers), enabled=not args.no_progress)
-  results, start = [], time.monotonic()
+  results, start = list(kept), time.monotonic()
   try:
     for r in iter_cells(workloads, peers, config):
       results.append(r)
@@ -158,10 +159,17 @@ def main(argv=None) -> int:
   for name, why in missing.items():
     print(f"peer {name} unavailable: {why}", file=sys.stderr)
 
+  kept = []
+  if args.resume:
+    earlier, earlier_meta = resume.load(args.resume, meta)
+    kept, workloads = resume.split(workloads, config.passes, [p.name for p in peers], earlier)
+    meta["resumed_from"] = {"path": args.resume, "date": earlier_meta.get("date"),
+                            "command": earlier_meta.get("command"), "cells_kept": len(kept)}
+
   def checkpoint(results):
     _write(paths["json"], report.to_json(meta, results, report.summary(results)))
 
-  results, complete = _run(workloads, peers, config, args, checkpoint)
+  results, complete = _run(workloads, peers, config, args, checkpoint, kept)
   meta["complete"] = complete
   _report(meta, results, [p.name for p in peers], paths)
   return _fail_banner(results)

@@ -82,6 +82,10 @@ def _add_run_options(p: argparse.ArgumentParser):
   g.add_argument("--seed", type=int, default=0, help="input seed (default 0)")
   g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                  help="start no new cell after this many seconds; report what ran")
+  g.add_argument("--resume", metavar="JSON", default=None,
+                 help="an earlier run's JSON of the same code, cut short by its "
+                      "--time-budget (same device, jax, timer and repeats): its workloads "
+                      "that ran every pass and peer are kept, the rest run")
   g.add_argument("--out", default=DEFAULT_OUT, help="output folder (default bench/results)")
   g.add_argument("--tag", help="file name stem (default <date>_<device>)")
   g.add_argument("--list", action="store_true", help="print the planned cells and exit")

@@ -144,6 +144,14 @@ def to_json(meta: dict, results: list[CellResult], stats: list[dict]) -> str:
   return json.dumps(doc, indent=1, default=str)
 
 
+def _resumed_line(meta: dict) -> list[str]:
+  earlier = meta.get("resumed_from")
+  if not earlier:
+    return []
+  return [f"- resumed: {earlier['cells_kept']} cells from the run of {earlier['date']} "
+          f"(`{earlier['command']}`); each row's cells come from one run"]
+
+
 def to_markdown(meta: dict, results: list[CellResult], stats: list[dict],
                 peer_names: list[str]) -> str:
   """The report as markdown: metadata, TFLOP/s table, summary, notes."""
@@ -151,7 +159,7 @@ def to_markdown(meta: dict, results: list[CellResult], stats: list[dict],
           f"- device: {meta.get('device')} ({meta.get('platform')}), jax {meta.get('jax')}",
           f"- date: {meta.get('date')}, timer: {meta.get('timer')}, "
           f"repeats: {meta.get('repeats')} (median)",
-          f"- command: `{meta.get('command')}`", "",
+          f"- command: `{meta.get('command')}`", *_resumed_line(meta), "",
           "TFLOP/s (FlashAttention FLOP convention); FAIL = numerics check failed.", ""]
   body = [format_markdown_table(*table_rows(results, peer_names)), "", "## Summary", "",
           format_markdown_table(*summary_rows(stats)), "", "## Notes", ""]

@@ -157,6 +157,33 @@ def test_cli_end_to_end(tmp_path, capsys):
   assert report.summary([]) == []
 
 
+def test_resume_keeps_whole_workloads_of_an_earlier_run(tmp_path):
+  common = ["--peers", "xla", "--head-dims", "32", "--dtypes", "float32", "--tokens", "128",
+            "--hidden", "64", "--repeats", "2", "--passes", "fwd", "--out", str(tmp_path),
+            "--no-progress", "--causal", "no"]
+  assert cli.main(common + ["--seq-lens", "64", "--tag", "cut"]) == 0
+  cut = json.loads((tmp_path / "cut.json").read_text())
+  # The earlier run's second workload ran ours only, as if its budget ran out in between.
+  assert cli.main(common + ["--seq-lens", "128", "--tag", "half", "--peers", "none"]) == 0
+  half = json.loads((tmp_path / "half.json").read_text())
+  cut["cells"] += half["cells"]
+  for c in cut["cells"]:
+    c["note"] = "from the earlier run"
+  (tmp_path / "cut.json").write_text(json.dumps(cut))
+  assert cli.main(common + ["--seq-lens", "64,128", "--tag", "all",
+                            "--resume", str(tmp_path / "cut.json")]) == 0
+  doc = json.loads((tmp_path / "all.json").read_text())
+  assert doc["meta"]["complete"] and doc["meta"]["resumed_from"]["cells_kept"] == 2
+  notes = {(c["workload"]["seq_q"], c["peer"]): c["note"] for c in doc["cells"]}
+  assert len(notes) == len(doc["cells"]) == 4
+  assert notes[(64, "xla")] == notes[(64, peers.OURS)] == "from the earlier run"  # kept
+  assert "from the earlier run" not in (notes[(128, "xla")], notes[(128, peers.OURS)])
+  assert "resumed: 2 cells" in (tmp_path / "all.md").read_text()
+  with pytest.raises(SystemExit, match="repeats"):
+    cli.main(common + ["--repeats", "3", "--seq-lens", "64", "--tag", "other",
+                       "--resume", str(tmp_path / "cut.json")])
+
+
 def test_fail_of_ours_sets_exit_status(capsys):
   inputs = WorkloadInputs(GQA, seed=0, with_grads=False)
   theirs = run_cell(Peer("wrong", _wrong_scale), "fwd", inputs, CONFIG)

@@ -10,7 +10,8 @@
 # results go to OUT_DIR (default: $OUT, else bench/results).
 # The tests run one process each (scripts/run_tests_isolated.py): a hang is cut off and named.
 # FAH_TEST_FILTER narrows them (a pytest selection); FAH_SKIP_PASSED names an earlier log
-# whose passed tests are skipped.
+# whose passed tests are skipped. FAH_RESUME names the JSON of a forward grid that its budget
+# cut short (carried into the tree), to finish it (`python -m bench --resume`).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part="${1:-all}"
@@ -55,7 +56,7 @@ if [[ $part != tests ]]; then
   python3 -m bench --passes fwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \
     --causal both --dtypes float16,bfloat16 --peers cudnn,mgpu --repeats 10 \
     --time-budget "${FAH_BENCH_SECONDS:-265}" --no-progress --out "$out" --tag h200_forward \
-    2>&1 | tee "$out/bench.log" | tail -n 60
+    ${FAH_RESUME:+--resume "$FAH_RESUME"} 2>&1 | tee "$out/bench.log" | tail -n 60
   bench=${PIPESTATUS[0]}
 fi
 echo "gpu tests exit $tests, bench exit $bench"
