@@ -35,6 +35,16 @@ def staging_types(num_buffers: int, shape, dtype, *, interpret: bool) -> tuple:
   return (plgpu.SMEM((num_buffers, *shape), dtype),) if interpret else ()
 
 
+def left_operand_in_registers(smem_ref, *, staging=None):
+  """A shared-memory tile as a wgmma left operand held in registers (`Layout.WGMMA`), loaded
+  once for many products. When interpreting (`staging` given, as in `matmul_accumulate`), the
+  ref itself: the interpreter's wgmma takes no left operand from registers, and the product
+  of the same tile read from shared memory is the same."""
+  if staging is not None:
+    return smem_ref
+  return plgpu.load(smem_ref, (), layout=plgpu.Layout.WGMMA)
+
+
 def matmul_accumulate(acc, lhs, rhs_smem, *, staging=None, while_running=lambda: None):
   """Returns acc + lhs @ rhs_smem (float32), running `while_running()` during the matmul.
 
