@@ -11,8 +11,9 @@ a store into an ACC ref, and a wgmma whose left operand is in registers. With
 `interpret=True` the left operand is staged through shared memory, the product goes into a
 fresh zero accumulator (`pl.run_scoped(f, plgpu.ACC(...))`) and is added in registers: the
 same sum. A left operand that a kernel would load from shared memory into registers once, for
-many products (`left_operand_in_registers`), stays in shared memory there. It has no TMA reductions either: `add_to_global` adds with a read-modify-write
-there, which is race-free because the interpreter runs the grid's CTAs one after another.
+many products (`left_operand_in_registers`), stays in shared memory there. It has no TMA
+reductions either: `add_to_global` adds with a read-modify-write there, which is race-free
+because the interpreter runs the grid's CTAs one after another.
 This module is the only place that branches on the interpreter. (The interpreter also skips
 one instruction, the fence between memory proxies of `pipeline.order_loads_before_tma`,
 through `pipeline.INTERPRET_PARAMS`: it simulates a single proxy, and the kernels' code
