@@ -62,8 +62,9 @@ OVERLAP_MAX_HEAD_DIM = 128
 #:   PYTHONPATH=.:scripts python3 scripts/ab_switches.py fwdbwd 64,128,256 4096,16384
 #:       bfloat16 both base,kernels.dq.SHARED_KV_BARRIERS=True
 #: on c785e8e, where the switch was off and covered every head dim (the same A/B now:
-#: `base,kernels.dq.SHARED_KV_BARRIERS_HEAD_DIMS=(64,128,256)`, against D 128 only). dQ ms, a pair each → shared: D 128 4k 1.123 → 1.074, causal 0.590 → 0.590; 16k 4.769 →
-#: 4.426, causal 2.227 → 2.080. D 64 lost (4k 1.368 → 1.428, 16k causal 2.820 → 3.028), and
+#: `base,kernels.dq.SHARED_KV_BARRIERS_HEAD_DIMS=(64,128,256)`, against D 128 only). dQ ms,
+#: a pair each → shared: D 128 4k 1.123 → 1.074, causal 0.590 → 0.590; 16k 4.769 → 4.426,
+#: causal 2.227 → 2.080. D 64 lost (4k 1.368 → 1.428, 16k causal 2.820 → 3.028), and
 #: D 256 was mixed (4k 1.283 → 1.312, causal 0.695 → 0.666; 16k 5.469 → 5.683).
 SHARED_KV_BARRIERS = True
 SHARED_KV_BARRIERS_HEAD_DIMS = frozenset({128})
