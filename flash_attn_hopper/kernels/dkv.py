@@ -224,7 +224,7 @@ def _q_step(step, carry, *, wg, tile, keys, k_ids, ring0, refs: _Refs, streams, 
     if not shared:
       pipeline.free_after_loads(stream.consumed.at[slot])
   k_op, v_op = keys
-  staging = None if refs.staging is None else refs.staging.at[wg]
+  staging = _staging(refs, wg)
 
   bias_t = None
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
@@ -342,9 +342,13 @@ def _key_operands(wg, refs: _Refs, dims):
   k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
   if not keys_in_registers(dims.head_dim):
     return k_smem, v_smem
-  staging = None if refs.staging is None else refs.staging.at[wg]
-  return tuple(accumulate.left_operand_in_registers(ref, staging=staging)
+  return tuple(accumulate.left_operand_in_registers(ref, staging=_staging(refs, wg))
                for ref in (k_smem, v_smem))
+
+
+def _staging(refs: _Refs, wg):
+  """This warpgroup's interpreter-only staging tile (`accumulate.staging_types`), or None."""
+  return None if refs.staging is None else refs.staging.at[wg]
 
 
 def _store(wg, dk, dv, tile: _Tile, refs: _Refs, dims, opts):
