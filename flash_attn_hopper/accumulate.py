@@ -10,10 +10,8 @@ the real kernels on a CPU, lacks three things this needs: `pl.run_state(f)(plgpu
 a store into an ACC ref, and a wgmma whose left operand is in registers. With
 `interpret=True` the left operand is staged through shared memory, the product goes into a
 fresh zero accumulator (`pl.run_scoped(f, plgpu.ACC(...))`) and is added in registers: the
-same sum. A left operand that a kernel would load from shared memory into registers once, for
-many products (`left_operand_in_registers`), stays in shared memory there. It has no TMA
-reductions either: `add_to_global` adds with a read-modify-write there, which is race-free
-because the interpreter runs the grid's CTAs one after another.
+same sum. It has no TMA reductions either: `add_to_global` adds with a read-modify-write
+there, which is race-free because the interpreter runs the grid's CTAs one after another.
 This module is the only place that branches on the interpreter. (The interpreter also skips
 one instruction, the fence between memory proxies of `pipeline.order_loads_before_tma`,
 through `pipeline.INTERPRET_PARAMS`: it simulates a single proxy, and the kernels' code
@@ -35,16 +33,6 @@ def staging_types(num_buffers: int, shape, dtype, *, interpret: bool) -> tuple:
   `(num_buffers, *shape)` buffer when interpreting, none on the GPU. The kernel allocates it
   with its other scratch (the interpreter only allows collective allocations)."""
   return (plgpu.SMEM((num_buffers, *shape), dtype),) if interpret else ()
-
-
-def left_operand_in_registers(smem_ref, *, staging=None):
-  """A shared-memory tile as a wgmma left operand held in registers (`Layout.WGMMA`), loaded
-  once for many products. When interpreting (`staging` given, as in `matmul_accumulate`), the
-  ref itself: the interpreter's wgmma takes no left operand from registers, and the product
-  of the same tile read from shared memory is the same."""
-  if staging is not None:
-    return smem_ref
-  return plgpu.load(smem_ref, (), layout=plgpu.Layout.WGMMA)
 
 
 def matmul_accumulate(acc, lhs, rhs_smem, *, staging=None, while_running=lambda: None):

@@ -10,8 +10,6 @@ numerics; those are the GPU tests' (`*_gpu.py`).
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -206,30 +204,6 @@ def test_dkv_step_streams_share_barriers_from_their_head_dim(monkeypatch):
       assert counts[1][0] < counts[0][0] and counts[1][1] < counts[0][1], (d, counts)
     else:
       assert counts[1] == counts[0], (d, counts)
-
-
-#: A wgmma whose left operand comes from registers: its accumulator's and its A's register
-#: lists, one after the other (a shared-memory A is one descriptor operand instead).
-REGISTER_A_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16[^{]*\{[^}]*\}, \{")
-
-
-@pytest.mark.usefixtures("as_if_on_hopper")
-@pytest.mark.parametrize("feature", ["dense", "segments"])
-def test_dkv_keys_in_registers_behind_their_switch(monkeypatch, feature):
-  """`dkv.keys_in_registers` gives Sᵀ and dPᵀ their left operands, K and V, from registers
-  (at D 64): the dK/dV kernel then has more wgmmas with a register A (before, only dV's and
-  dK's), and the other kernels as many as before. (The interpreter reads the same tiles from
-  shared memory: `accumulate.left_operand_in_registers`.)"""
-  from flash_attn_hopper.kernels import dkv  # pylint: disable=g-import-not-at-top
-  register_a, others = [], []
-  for on in (False, True):  # (Counted at once: the next lowering's capture writes here too.)
-    monkeypatch.setattr(dkv, "KEYS_IN_REGISTERS", on)
-    modules = _kernel_modules(monkeypatch, 64, **FEATURES[feature])
-    register_a.append(len(REGISTER_A_WGMMA.findall(modules["dkv"])))
-    others.append({name: len(REGISTER_A_WGMMA.findall(text)) for name, text in modules.items()
-                   if name != "dkv"})
-  assert 0 < register_a[0] < register_a[1], register_a
-  assert others[0] == others[1], others
 
 
 @pytest.mark.usefixtures("as_if_on_hopper")

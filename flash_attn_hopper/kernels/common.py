@@ -308,17 +308,16 @@ def zeros_accumulator(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def matmul(a, b_smem, shape):
-  """a @ b into a fresh float32 accumulator, as an array: `a` a shared-memory operand or an
-  array in the wgmma layout (registers)."""
+def matmul(a_smem, b_smem, shape):
+  """a @ b of two shared-memory operands into a fresh float32 accumulator, as an array."""
   def run(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_smem)
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
     return acc_ref[...]
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
 def overlapped_matmuls(first, second, on_first, before_second=lambda: None):
-  """Two matmuls, each `(a, b_smem, shape)` with `a` as in `matmul`, into fresh float32
+  """Two matmuls of shared-memory operands, each `(a_smem, b_smem, shape)`, into fresh float32
   accumulators, both issued before either is awaited. Returns `(on_first(a @ b of first),
   a @ b of second)`: the work on the first product (the backward's 2^(S − LSE)) runs while the
   tensor cores compute the second (dP), instead of between them. `before_second()` runs

@@ -86,22 +86,6 @@ SHARED_STEP_BARRIERS = True
 SHARED_STEP_BARRIERS_MIN_HEAD_DIM = 128
 
 
-#: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ take K and V from registers, loaded once a tile in the wgmma
-#: layout, instead of from shared memory: each step's two products then read only Qᵀ and dOᵀ
-#: there. The hypothesis (bench/NOTES.md, twenty-third session): at N = block_q = 64, a
-#: product with both operands in shared memory reads as many bytes as the tensor cores take
-#: clocks, so shared memory, shared with TMA's writes, may bound the D 64 step. Costs
-#: 2 · block_kv · D / 128 values a thread (32 registers at D 64), so D 64 only. Off: not yet
-#: measured on a GPU (`scripts/ab_switches.py ... base,kernels.dkv.KEYS_IN_REGISTERS=True`).
-KEYS_IN_REGISTERS = False
-KEYS_IN_REGISTERS_MAX_HEAD_DIM = 64
-
-
-def keys_in_registers(head_dim: int) -> bool:
-  """Whether Sᵀ and dPᵀ take K and V from registers (`KEYS_IN_REGISTERS`) at this head dim."""
-  return KEYS_IN_REGISTERS and head_dim <= KEYS_IN_REGISTERS_MAX_HEAD_DIM
-
-
 class _Refs(NamedTuple):
   q: object
   k: object
@@ -203,10 +187,10 @@ def _edges_only(opts) -> bool:
   return (opts.mask.banded or opts.kv_lens) and not (opts.segments or opts.bias)
 
 
-def _q_step(step, carry, *, wg, tile, keys, k_ids, ring0, refs: _Refs, streams, dims, opts,
+def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, opts,
             masked: bool):
-  """One query block against this warpgroup's keys (`keys`: the A operands K and V of Sᵀ and
-  dPᵀ, `_key_operands`; `k_ids`: their segment ids, or None), at ring position ring0 + step.
+  """One query block against this warpgroup's keys (`k_ids`: their segment ids, or None),
+  at ring position ring0 + step.
   With a bias, `masked` says whether the producer streamed a tile for it (`_free_blocks`),
   and element masks (band, lengths, segments) run on every step; under `_edges_only`, it
   says whether the block is on an edge of `_Tile.band` (element-masked)."""
@@ -223,8 +207,8 @@ def _q_step(step, carry, *, wg, tile, keys, k_ids, ring0, refs: _Refs, streams, 
   def loaded(stream):  # Its slot, read with loads, is free (shared: once, at the end).
     if not shared:
       pipeline.free_after_loads(stream.consumed.at[slot])
-  k_op, v_op = keys
-  staging = _staging(refs, wg)
+  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
+  staging = None if refs.staging is None else refs.staging.at[wg]
 
   bias_t = None
   if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
@@ -260,10 +244,10 @@ def _q_step(step, carry, *, wg, tile, keys, k_ids, ring0, refs: _Refs, streams, 
   q_slot, do_slot = refs.q_ring.at[slot], refs.do_ring.at[slot]
   if dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM:
     (pt, cap_grad), dpt = common.overlapped_matmuls(
-        (k_op, q_slot.T, shape), (v_op, do_slot.T, shape), probabilities)
+        (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
   else:
-    pt, cap_grad = probabilities(common.matmul(k_op, q_slot.T, shape))
-    dpt = common.matmul(v_op, do_slot.T, shape)
+    pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
+    dpt = common.matmul(v_smem, do_slot.T, shape)
   dst = logits_grad(pt, dpt).astype(dims.dtype)
   if refs.fused is None:
     dk, dv = accumulate.matmul_accumulate_pair(
@@ -320,9 +304,8 @@ def _attend_tile(wg, tile: _Tile, ring0, refs: _Refs, streams, tile_ready, dims,
   if persistent and opts.segments:  # The next tile's ids land here by TMA.
     pipeline.order_loads_before_tma()
   zeros = common.zeros_accumulator((cfg.block_kv, dims.head_dim))
-  step = functools.partial(_q_step, wg=wg, tile=tile, keys=_key_operands(wg, refs, dims),
-                           k_ids=k_ids, ring0=ring0, refs=refs, streams=streams, dims=dims,
-                           opts=opts)
+  step = functools.partial(_q_step, wg=wg, tile=tile, k_ids=k_ids, ring0=ring0, refs=refs,
+                           streams=streams, dims=dims, opts=opts)
   blocks_of = None  # Every step alike.
   if opts.bias:
     blocks_of = lambda g: _free_blocks(tile, refs.masks, dims, opts, g)  # No bias tile read.
@@ -333,22 +316,6 @@ def _attend_tile(wg, tile: _Tile, ring0, refs: _Refs, streams, tile_ready, dims,
   if refs.fused is not None:  # The other warpgroup's dQ products read this K tile.
     fused_dq.finish(refs.fused)
   return dk, dv
-
-
-def _key_operands(wg, refs: _Refs, dims):
-  """K and V as the A operands of Sᵀ and dPᵀ: this warpgroup's shared-memory tiles, or
-  (`keys_in_registers`) arrays loaded from them once a tile. (A tile with no step loads them
-  for nothing while `_store` may overwrite them: harmless, the values go unused.)"""
-  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
-  if not keys_in_registers(dims.head_dim):
-    return k_smem, v_smem
-  return tuple(accumulate.left_operand_in_registers(ref, staging=_staging(refs, wg))
-               for ref in (k_smem, v_smem))
-
-
-def _staging(refs: _Refs, wg):
-  """This warpgroup's interpreter-only staging tile (`accumulate.staging_types`), or None."""
-  return None if refs.staging is None else refs.staging.at[wg]
 
 
 def _store(wg, dk, dv, tile: _Tile, refs: _Refs, dims, opts):
