@@ -385,15 +385,16 @@ PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
 # one grid run on the H200 (2026-11-30, bf16, fwd+bwd TFLOP/s) 3 stages gave 308 / 421 / 457
 # at T = 1k / 4k / 16k and 2 stages 296 / 408 / 489
 # (bench/results/h200_backward.md, h200_d128_causal_2stages.md). 8k is not measured: the
-# crossover lies between 4k and 16k. At D 64 causal, 128-row query tiles pay from 4k on
+# crossover lies between 4k and 16k. At D 64 causal, 128-row query tiles pay from 2k on
 # (H200, jax 0.11.2, 2026-12-03, bf16, B·T = 16k, hidden 2048, interleaved with cuDNN, CUPTI;
 # bench/results/h200_d64_causal_block_q_ab.log), by
 #   PYTHONPATH=.:scripts python3 scripts/ab_configs.py --backward --head-dim 64 --causal yes
 #       --dtype bfloat16 --configs tuned 128,64,2 128,64,3
 # fwd+bwd ratio to cuDNN, (64, 64, 3) → (128, 64, 2): 1k 1.018 → 0.996, 4k 0.932 → 0.948,
-# 16k 0.896 → 0.955 ((128, 64, 3): 0.918, 0.938, 0.935). 2k is not measured.
+# 16k 0.896 → 0.955 ((128, 64, 3): 0.918, 0.938, 0.935); at 2k (2026-12-03, same setup,
+# bench/results/h200_d64_causal_2k_ab.log) 0.964 → 0.982, so from 2k on.
 TUNED_BACKWARD_LONG: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
-    (64, True): (4096, BackwardConfig(block_q=128, block_kv=64, num_stages=2)),
+    (64, True): (2048, BackwardConfig(block_q=128, block_kv=64, num_stages=2)),
     (128, True): (8192, BackwardConfig(block_q=64, block_kv=64, num_stages=2)),
 }
 
