@@ -56,7 +56,9 @@ from flash_attn_hopper.kernels import fused_dq
 #:   both (the previous session, non-causal): 7.87 against 7.39 one at a time.
 #:   D 64 non-causal, both against one at a time: 7.77 against 8.83 ms.
 #: At D 128 the (block_kv, D) dK and dV accumulators take 128 registers a thread, and Sᵀ with
-#: dPᵀ in flight together add 64 more.
+#: dPᵀ in flight together add 64 more. (Sᵀ and dPᵀ read K and V from shared memory: holding
+#: them in registers as the left operands lost 8–10% at D 64 and spilled, bench/NOTES.md,
+#: twenty-fifth session.)
 OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 
 #: On persistent CTAs without mirror pairs (no causal bound), `_store` addresses its buffers
