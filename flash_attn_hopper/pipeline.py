@@ -100,7 +100,7 @@ class Barriers:
     k_ready, k_consumed = stream_barrier_types(num_stages)
     v_ready, v_consumed = stream_barrier_types(num_stages)
     base = (plgpu.Barrier(num_barriers=per_wg), k_ready, v_ready, k_consumed, v_consumed,
-            schedule_barrier_type())
+            plgpu.Barrier(num_arrivals=per_wg))
     ids = (plgpu.Barrier(num_barriers=per_wg), *stream_barrier_types(num_stages))
     no_ids = (None, None, None)
     return (*base, *(ids if segments else no_ids),
@@ -133,20 +133,8 @@ class Barriers:
 
   def sync_schedule(self):
     """Both compute warpgroups pass the schedule barrier (see the class docstring)."""
-    rendezvous(self.schedule)
-
-
-def schedule_barrier_type():
-  """A barrier that the compute warpgroups pass together (`rendezvous`): one arrival each."""
-  return plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS)
-
-
-def rendezvous(barrier):
-  """This compute warpgroup's pass of a `schedule_barrier_type` barrier: arrives, then waits
-  until every compute warpgroup has arrived in this phase. Warpgroups that start a phase
-  apart alternate between the code of consecutive passes (FA3's ping-pong)."""
-  plgpu.barrier_arrive(barrier)
-  plgpu.barrier_wait(barrier)
+    plgpu.barrier_arrive(self.schedule)
+    plgpu.barrier_wait(self.schedule)
 
 
 def slot_of(step, num_stages: int):

@@ -223,22 +223,3 @@ def test_dq_kv_share_barriers_behind_their_switch(monkeypatch, feature):
                    if name != "dq"})
   assert counts[1][0] < counts[0][0] and counts[1][1] < counts[0][1], counts
   assert others[0] == others[1], others
-
-
-@pytest.mark.usefixtures("as_if_on_hopper")
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("feature", ["dense", "causal", "bias"])
-def test_dkv_pingpong_behind_its_switch(monkeypatch, feature, d):
-  """`dkv.PINGPONG_HEAD_DIMS`: the dK/dV kernel lowers with its warpgroups' rendezvous (one
-  more barrier, two more waits a step and one at each end); the other kernels are as before."""
-  from flash_attn_hopper.kernels import dkv  # pylint: disable=g-import-not-at-top
-  counts, others = [], []
-  for on in (False, True):
-    monkeypatch.setattr(dkv, "PINGPONG_HEAD_DIMS", (d,) if on else ())
-    modules = _kernel_modules(monkeypatch, d, **FEATURES[feature])
-    text = modules["dkv"]
-    counts.append((text.count("mbarrier.try_wait.parity"), text.count("mbarrier.init.shared")))
-    others.append({name: t.count("mbarrier.try_wait.parity") for name, t in modules.items()
-                   if name != "dkv"})
-  assert counts[1][0] > counts[0][0] and counts[1][1] == counts[0][1] + 1, counts
-  assert others[0] == others[1], others

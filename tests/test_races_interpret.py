@@ -155,28 +155,3 @@ def test_dq_with_kv_on_one_barrier_pair(rng, capsys, monkeypatch, name):
   out = capsys.readouterr().out
   assert RACE not in out, out[out.index(RACE):][:3000]
   testing.check_gradients(grads, q, k, v, dout, **kw)
-
-
-@pytest.mark.usefixtures("detect_races")
-@pytest.mark.parametrize("name", ["segments_grad", "bias_grad", "persistent_causal_grad"])
-def test_dkv_pingpong(rng, capsys, monkeypatch, name):
-  """`dkv.PINGPONG_HEAD_DIMS` (here at D 64): the dK/dV warpgroups' rendezvous twice a step,
-  warpgroup 1 a pass behind, over runs of masked and full steps, a bias's ring and
-  persistent CTAs' mirror pairs. Race-free, no hang, and the gradients match the reference."""
-  from flash_attn_hopper import config as config_lib
-  from flash_attn_hopper.kernels import dkv
-  monkeypatch.setattr(dkv, "PINGPONG_HEAD_DIMS", (64,))
-  if name == "persistent_causal_grad":
-    monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS",
-                        {("dkv", 64, True): 1 << 30})
-    t, s, kw = 256, 256, dict(is_causal=True)
-  else:
-    t, s, _, _, arguments = CASES[name]
-    kw = arguments(rng)
-  q, k, v = _inputs(rng, t, s)
-  dout = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), q.dtype)
-  attn = functools.partial(fah.dot_product_attention, interpret=True)
-  grads = jax.block_until_ready(testing.gradients(attn, q, k, v, dout, **kw))
-  out = capsys.readouterr().out
-  assert RACE not in out, out[out.index(RACE):][:3000]
-  testing.check_gradients(grads, q, k, v, dout, **kw)

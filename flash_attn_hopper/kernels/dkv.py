@@ -87,15 +87,6 @@ UNHOISTED_EPILOGUE = True
 SHARED_STEP_BARRIERS = True
 SHARED_STEP_BARRIERS_MIN_HEAD_DIM = 128
 
-#: Head dims at which the two compute warpgroups take turns on the tensor cores (FA3's
-#: ping-pong, as the forward's plain loop does): both wait for the same query block, so
-#: left alone they run in step, and the tensor cores idle while both compute 2^(Sᵀ − LSE)
-#: and dSᵀ. With it each warpgroup passes a rendezvous after issuing Sᵀ (and dPᵀ, where the
-#: two go together) and another before issuing dV and dK, warpgroup 1 one pass behind: one
-#: warpgroup's exponentials and dSᵀ run while the other's products are on the tensor cores.
-#: (Not with `fused_dq`, whose dSᵀ hand-over already orders the warpgroups.)
-PINGPONG_HEAD_DIMS: tuple[int, ...] = ()
-
 
 class _Refs(NamedTuple):
   q: object
@@ -118,7 +109,6 @@ class _Refs(NamedTuple):
   q_ids_ring: object = None  # segments: (num_stages, block_q) int32, the queries' ids
   bias_ring: object = None   # bias: (num_stages, compute warpgroups, block_kv, block_q), Bᵀ
   fused: fused_dq.Buffers | None = None  # `BackwardConfig.fused_dq`: dQ's buffers
-  schedule: object = None  # `pingpong`: the compute warpgroups' rendezvous barrier
 
 
 class _Tile(NamedTuple):
@@ -254,16 +244,13 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
 
   shape = (cfg.block_kv, cfg.block_q)
   q_slot, do_slot = refs.q_ring.at[slot], refs.do_ring.at[slot]
-  turn = _turn(refs)  # The tensor cores go to the other warpgroup (`PINGPONG_HEAD_DIMS`).
   if dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM:
     (pt, cap_grad), dpt = common.overlapped_matmuls(
-        (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities,
-        after_issue=turn)
+        (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
   else:
-    pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape, after_issue=turn))
+    pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
     dpt = common.matmul(v_smem, do_slot.T, shape)
   dst = logits_grad(pt, dpt).astype(dims.dtype)
-  turn()  # And back, for dV and dK.
   if refs.fused is None:
     dk, dv = accumulate.matmul_accumulate_pair(
         (dk, dv), (dst, pt.astype(dims.dtype)), (q_slot, do_slot), staging=staging)
@@ -282,18 +269,6 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
     plgpu.barrier_arrive(do_s.consumed.at[slot])
     plgpu.barrier_arrive(q_s.consumed.at[slot])
   return dk, dv
-
-
-def pingpong(dims, opts) -> bool:
-  """Whether the compute warpgroups take turns on the tensor cores (`PINGPONG_HEAD_DIMS`)."""
-  return dims.head_dim in PINGPONG_HEAD_DIMS and not opts.config.fused_dq
-
-
-def _turn(refs: _Refs):
-  """A step's pass of the warpgroups' rendezvous, or nothing without `pingpong`."""
-  if refs.schedule is None:
-    return lambda: None
-  return lambda: pipeline.rendezvous(refs.schedule)
 
 
 def shares_step_barriers(head_dim: int) -> bool:
@@ -378,15 +353,9 @@ def _compute_warpgroup(wg, refs: _Refs, ring_barriers, tile_ready, sched, dims, 
                           sched.persistent)
     _store(_epilogue_wg(wg, sched), dk, dv, tile, refs, dims, opts)
 
-  # Both warpgroups pass the rendezvous twice a step and run the same steps: warpgroup 1
-  # starts a pass behind, and warpgroup 0 matches it at the end, so every phase completes.
-  if refs.schedule is not None:
-    pl.when(wg == 1)(_turn(refs))
   common.run_key_tiles(sched, lambda item: _tile(item, refs.masks, dims, opts),
                        lambda tile: _issue_tile_loads(wg, tile, refs, tile_ready, opts), run,
                        lambda tile: dims.group * tile.steps_per_head)
-  if refs.schedule is not None:
-    pl.when(wg == 0)(_turn(refs))
 
 
 def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
@@ -470,8 +439,7 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
   )
   staging = accumulate.staging_types(wgs, (cfg.block_kv, cfg.block_q), dims.dtype,
                                      interpret=opts.interpret)
-  schedule = (pipeline.schedule_barrier_type(),) if pingpong(dims, opts) else ()
-  barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs), *schedule,
+  barriers = (plgpu.Barrier(num_barriers=_tile_copies(opts) * wgs),
               *ring_barrier_types(stages, opts, shares_step_barriers(dims.head_dim)))
   fused = fused_dq.smem_types(dims, cfg) if cfg.fused_dq else ()
 
@@ -482,11 +450,10 @@ def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
     if fused:
       buffers = fused_dq.Buffers(*rest[-len(fused):], dq_acc[0])
       del rest[-len(fused):]
-    tile_ready, *ring_barriers = rest[len(staging):]
-    schedule_ref = ring_barriers.pop(0) if schedule else None
     refs = _Refs(q, k, v, do, lse, delta, dk, dv, k_smem, v_smem, q_ring, do_ring, lse_ring,
                  delta_ring, rest[0] if staging else None, masks, k_ids_smem, q_ids_ring,
-                 bias_ring, buffers, schedule_ref)
+                 bias_ring, buffers)
+    tile_ready, *ring_barriers = rest[len(staging):]
     barriers = list(zip(ring_barriers[::2], ring_barriers[1::2]))
     common.specialize(
         lambda wg: _compute_warpgroup(wg, refs, barriers, tile_ready, sched, dims, opts),
