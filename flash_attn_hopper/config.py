@@ -373,11 +373,18 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 # (bench/results/h200_dq_d256_persistent_ab.log), dQ ms per tile → persistent: causal 0.230 →
 # 0.214, 0.396 → 0.371, 0.730 → 0.692 (32, 64 and 128 steps; 0.229 → 0.214 and 0.739 →
 # 0.699 in a second run with the entry); not causal 0.348 → 0.356, 0.643 → 0.688, 1.250 →
-# 1.413. 16k causal (512 steps) not measured.
+# 1.413. With S and dP issued together (`dq.OVERLAP_MAX_HEAD_DIM`), 2026-12-03, same setup,
+# both kernels persistent at every length against the table before this entry (128 steps), by
+# `... ab_backward_schedule.py 256 1024,4096,8192,16384 bfloat16 tuned,persistent`, two runs
+# (bench/results/h200_dq_d256_persistent_8k_16k_ab.log; gradients bitwise equal), dQ ms:
+# causal 8k (256 steps) 1.371 → 1.266 and 1.372 → 1.266 (the dK/dV kernel, 128 steps, lost
+# 1% there, so it stays per tile), causal 16k (512 steps) 2.424 → 2.583 and 2.413 → 2.584;
+# not causal at 8k 2.645 → 2.528 in one run and 2.508 → 2.577 in the other, flat at 1k, 4k
+# and 16k: not taken.
 PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
     ("dq", 64, True): 32, ("dq", 128, True): 32, ("dq", 128, False): 16,
     ("dkv", 64, True): 64, ("dkv", 128, True): 64, ("dkv", 128, False): 32,
-    ("dkv", 256, True): 64, ("dkv", 256, False): 64, ("dq", 256, True): 128,
+    ("dkv", 256, True): 64, ("dkv", 256, False): 64, ("dq", 256, True): 256,
 }
 
 # Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many

@@ -48,11 +48,17 @@ from flash_attn_hopper.kernels import common
 
 #: Up to this head dim S and dP are issued together and 2^(S − LSE) runs under dP. Measured
 #: on the H200 (2026-11-30, bf16, fwd+bwd, one A/B run each): the dQ kernel took 4.63 against
-#: 5.15 ms at D 128, 16k non-causal, and 2.77 against 3.11 ms at D 64, 16k causal; at D 256,
-#: 4k, where the (block_q, 256) float32 dQ accumulator alone takes 128 registers a thread, 1.21
-#: against 1.03 ms causal (and 2.07 against 2.13 non-causal), so D 256 keeps one matmul in
-#: flight.
-OVERLAP_MAX_HEAD_DIM = 128
+#: 5.15 ms at D 128, 16k non-causal, and 2.77 against 3.11 ms at D 64, 16k causal. At D 256,
+#: where the (block_q, 256) float32 dQ accumulator alone takes 128 registers a thread, it lost
+#: with 64-key blocks (4k: 1.21 against 1.03 ms causal, 2.07 against 2.13 non-causal), and
+#: pays since the kernel runs on 32-key blocks (`BackwardConfig.dq_block_kv`; S and dP take 16
+#: registers a thread each): 2026-12-03, bf16 fwd+bwd, B·T = 16k, hidden 2048, dQ ms one at a
+#: time → together, `scripts/ab_switches.py fwdbwd 256 1024,4096,16384 bfloat16 both
+#: base,kernels.dq.OVERLAP_MAX_HEAD_DIM=256` (bench/results/h200_dq_overlap_d256_ab.log,
+#: gradients bitwise equal): 1k 0.352 → 0.350, causal 0.214 → 0.209; 4k 1.264 → 1.255,
+#: causal 0.690 → 0.648; 16k 5.536 → 5.325, causal 2.622 → 2.537. ptxas, causal 4k on
+#: persistent CTAs: spills 132 / 180 → 148 / 196 bytes; non-causal none either way.
+OVERLAP_MAX_HEAD_DIM = 256
 
 #: K and V of a step share one (ready, consumed) barrier pair: one wait a step (S then starts
 #: only once V has landed too) and one arrival, after dQ += dS K, instead of a pair each (the
