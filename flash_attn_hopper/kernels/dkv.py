@@ -58,7 +58,15 @@ from flash_attn_hopper.kernels import fused_dq
 #: At D 128 the (block_kv, D) dK and dV accumulators take 128 registers a thread, and Sᵀ with
 #: dPᵀ in flight together add 64 more. (Sᵀ and dPᵀ read K and V from shared memory: holding
 #: them in registers as the left operands lost 8–10% at D 64 and spilled, bench/NOTES.md,
-#: twenty-fifth session.)
+#: twenty-fifth session.) Re-measured under the 24 / 240 register split and the shared step
+#: barriers (2026-12-03, bf16 fwd+bwd, B·T = 16k, hidden 2048, `scripts/ab_switches.py`,
+#: bench/results/h200_dkv_pingpong_ab.log), dK/dV ms at D 128 with Sᵀ and dPᵀ together:
+#: 4k 1.578 → 1.630, causal 0.889 → 0.896; 16k 6.666 → 7.309, causal 3.327 → 3.392.
+#: The warpgroups do not wait for each other here. Making them take turns on the tensor
+#: cores (FA3's ping-pong, a rendezvous after Sᵀ's issue and another before dV and dK,
+#: warpgroup 1 a pass behind) lost or tied in the same run: D 128 4k 1.578 → 1.576, causal
+#: 0.889 → 0.965, 16k 6.666 → 6.762, causal 3.327 → 3.290; D 64 4k 1.771 → 1.795, causal
+#: 1.042 → 1.183, 16k 7.242 → 7.202, causal 3.751 → 4.022 (the code: commit ff6b252).
 OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 
 #: On persistent CTAs without mirror pairs (no causal bound), `_store` addresses its buffers
