@@ -373,7 +373,7 @@ TUNED_BACKWARD: dict[tuple[int, bool], BackwardConfig] = {
 # (bench/results/h200_dq_d256_persistent_ab.log), dQ ms per tile → persistent: causal 0.230 →
 # 0.214, 0.396 → 0.371, 0.730 → 0.692 (32, 64 and 128 steps; 0.229 → 0.214 and 0.739 →
 # 0.699 in a second run with the entry); not causal 0.348 → 0.356, 0.643 → 0.688, 1.250 →
-# 1.413. With S and dP issued together (`dq.OVERLAP_MAX_HEAD_DIM`), 2026-12-03, same setup,
+# 1.413. With S and dP issued together (`kernels/dq.py`, since 2026-12-03), same setup,
 # both kernels persistent at every length against the table before this entry (128 steps), by
 # `... ab_backward_schedule.py 256 1024,4096,8192,16384 bfloat16 tuned,persistent`, two runs
 # (bench/results/h200_dq_d256_persistent_8k_16k_ab.log; gradients bitwise equal), dQ ms:

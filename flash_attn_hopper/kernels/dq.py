@@ -46,19 +46,19 @@ from flash_attn_hopper import scheduler
 from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 
-#: Up to this head dim S and dP are issued together and 2^(S − LSE) runs under dP. Measured
-#: on the H200 (2026-11-30, bf16, fwd+bwd, one A/B run each): the dQ kernel took 4.63 against
-#: 5.15 ms at D 128, 16k non-causal, and 2.77 against 3.11 ms at D 64, 16k causal. At D 256,
-#: where the (block_q, 256) float32 dQ accumulator alone takes 128 registers a thread, it lost
-#: with 64-key blocks (4k: 1.21 against 1.03 ms causal, 2.07 against 2.13 non-causal), and
-#: pays since the kernel runs on 32-key blocks (`BackwardConfig.dq_block_kv`; S and dP take 16
-#: registers a thread each): 2026-12-03, bf16 fwd+bwd, B·T = 16k, hidden 2048, dQ ms one at a
-#: time → together, `scripts/ab_switches.py fwdbwd 256 1024,4096,16384 bfloat16 both
-#: base,kernels.dq.OVERLAP_MAX_HEAD_DIM=256` (bench/results/h200_dq_overlap_d256_ab.log,
-#: gradients bitwise equal): 1k 0.352 → 0.350, causal 0.214 → 0.209; 4k 1.264 → 1.255,
-#: causal 0.690 → 0.648; 16k 5.536 → 5.325, causal 2.622 → 2.537. ptxas, causal 4k on
-#: persistent CTAs: spills 132 / 180 → 148 / 196 bytes; non-causal none either way.
-OVERLAP_MAX_HEAD_DIM = 256
+# S and dP are issued together at every head dim, and 2^(S − LSE) runs under dP. Measured on
+# the H200 (2026-11-30, bf16, fwd+bwd, one A/B run each) against one matmul at a time: the dQ
+# kernel took 4.63 against 5.15 ms at D 128, 16k non-causal, and 2.77 against 3.11 ms at
+# D 64, 16k causal. At D 256, where the (block_q, 256) float32 dQ accumulator alone takes 128
+# registers a thread, it lost with 64-key blocks (4k: 1.21 against 1.03 ms causal, 2.07
+# against 2.13 non-causal), and pays since the kernel runs on 32-key blocks
+# (`BackwardConfig.dq_block_kv`; S and dP take 16 registers a thread each): 2026-12-03,
+# bf16 fwd+bwd, B·T = 16k, hidden 2048, dQ ms one at a time → together, by
+# `scripts/ab_switches.py` on the switch this note replaces
+# (bench/results/h200_dq_overlap_d256_ab.log, gradients bitwise equal): 1k 0.352 → 0.350,
+# causal 0.214 → 0.209; 4k 1.264 → 1.255, causal 0.690 → 0.648; 16k 5.536 → 5.325, causal
+# 2.622 → 2.537. ptxas, causal 4k on persistent CTAs: spills 132 / 180 → 148 / 196 bytes;
+# non-causal none either way.
 
 #: K and V of a step share one (ready, consumed) barrier pair: one wait a step (S then starts
 #: only once V has landed too) and one arrival, after dQ += dS K, instead of a pair each (the
@@ -134,14 +134,9 @@ def _kv_step(step, carry, *, wg, tile, q0, q_ids, seq_kv, ring0, lse, delta, k_s
   k_slot, v_slot = refs.k_ring.at[slot], refs.v_ring.at[slot]
   shared = v_s.ready is k_s.ready  # (`shares_kv_barriers`: V landed with K.)
   wait_v = lambda: None if shared else plgpu.barrier_wait(v_s.ready.at[slot])
-  if dims.head_dim <= OVERLAP_MAX_HEAD_DIM:
-    (p, cap_grad), dp = common.overlapped_matmuls(
-        (q_smem, k_slot.T, shape), (do_smem, v_slot.T, shape), probabilities,
-        before_second=wait_v)
-  else:
-    p, cap_grad = probabilities(common.matmul(q_smem, k_slot.T, shape))
-    wait_v()
-    dp = common.matmul(do_smem, v_slot.T, shape)
+  (p, cap_grad), dp = common.overlapped_matmuls(
+      (q_smem, k_slot.T, shape), (do_smem, v_slot.T, shape), probabilities,
+      before_second=wait_v)
   if not shared:
     plgpu.barrier_arrive(v_s.consumed.at[slot])
   ds = softmax.logits_grad(p, dp, delta, cap_grad=cap_grad).astype(dims.dtype)
