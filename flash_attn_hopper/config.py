@@ -331,9 +331,10 @@ TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[int, ForwardConfig]] = {
 # runs at half speed; block_q 128 pays only at D 64 without causal (at D 128, (128, 64, 2)
 # ran at 0.52–0.60× cuDNN against the entry's 0.88–0.96×: 2026-12-04, bf16, 4k and 16k,
 # causal and not, `scripts/ab_configs.py`, bench/results/h200_dkv_d128_block_q128_ab.log).
-# D 256: the split dK/dV kernel takes block_kv 64, and dQ's ring two stages of 32 keys (`dq_block_kv`) in the shared
-# memory of the one 64-key stage it had: measured on the H200 (jax 0.11.2, 2026-12-03, B·T = 16k,
-# hidden 2048, CUPTI, gradients checked against cuDNN's; bench/results/h200_dq_32_keys_ab.log) by
+# D 256: the split dK/dV kernel takes block_kv 64, and dQ's ring two stages of 32 keys
+# (`dq_block_kv`) in the shared memory of the one 64-key stage it had: measured on the H200
+# (jax 0.11.2, 2026-12-03, B·T = 16k, hidden 2048, CUPTI, gradients checked against cuDNN's;
+# bench/results/h200_dq_32_keys_ab.log) by
 #   python3 scripts/ab_configs.py --backward --head-dim 256 --configs tuned 64,64,2,2,32 ...
 # fwd+bwd ms, one 64-key stage → two 32-key stages, bf16: 1k 1.220 → 1.040, 4k 4.450 → 3.651,
 # 16k 17.748 → 15.895; causal 0.804 → 0.679, 2.424 → 2.056, 8.770 → 7.561 (fp16 4k 4.443 →
