@@ -1,0 +1,48 @@
+"""`scripts/sass_dump.py`'s reading of ptxas notes and SASS listings (the dump itself needs a
+GPU: Mosaic GPU runs ptxas when compiling)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+_PATH = pathlib.Path(__file__).parent.parent / "scripts" / "sass_dump.py"
+_spec = importlib.util.spec_from_file_location("sass_dump", _PATH)
+sass_dump = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_dump)
+
+# Cut from nvdisasm's listing of the D 64 dK/dV kernel on the H200 (2026-12-04): Sᵀ and dPᵀ
+# issued, the wait for Sᵀ, exponentials, the wait for dPᵀ, more exponentials, a barrier.
+SASS = """\
+        /*1910*/                   HGMMA.64x128x16.F32.BF16 R88, gdesc[UR28], R88, gsb0 ;
+        /*1920*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR44], RZ, !UPT ;
+        /*1950*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR40], R24, gsb0 ;
+        /*1960*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*1970*/                   FFMA R3, R88, UR4, -R5 ;
+        /*1980*/                   MUFU.EX2 R88, R3 ;
+        /*1990*/                   MUFU.EX2 R89, R4 ;
+        /*2280*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*2290*/                   MUFU.EX2 R90, R6 ;
+        /*3640*/                   SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR19+0x10], RZ ;
+        /*3670*/               @P0 BRA `(.L_x_8) ;
+"""
+
+
+def test_summarize_counts_the_exponentials_between_the_waits():
+  lines = sass_dump.summarize(SASS).splitlines()
+  assert lines[3] == "/*1960*/ WARPGROUP.DEPBAR.LE gsb0, 0x1"
+  assert lines[4:7] == ["    ... 2 MUFU.EX2", "/*2280*/ WARPGROUP.DEPBAR.LE gsb0, 0x0",
+                        "    ... 1 MUFU.EX2"]
+  assert lines[-2] == "/*3670*/ @P0 BRA `(.L_x_8)"
+  assert lines[-1] == "counts: {'HGMMA': 3, 'WARPGROUP': 2, 'SYNCS': 1, 'BRA': 1}"
+
+
+def test_notes_keep_what_the_summary_lines_do_not_say():
+  text = """\
+ptxas info    : (C7519) warpgroup.arrive is injected in around line 1575 by compiler
+ptxas info    : Compiling entry function 'flash_attn_hopper_dkv_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for flash_attn_hopper_dkv_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 1 bytes smem
+"""
+  assert sass_dump.notes(text) == [text.splitlines()[0]]
