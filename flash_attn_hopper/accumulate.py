@@ -104,6 +104,47 @@ def matmul_accumulate_pair_around(accs, lhss, rhss_smem, fresh, on_fresh, *, sta
       tuple(plgpu.ACC.init(layouts.to_accumulator_layout(acc)) for acc in accs))
 
 
+def products_then_accumulates(accs, first, second, on_first, on_second, rhss_smem, *,
+                              together: bool, staging=None):
+  """The dK/dV step with dV issued before dS exists: two fresh products of shared-memory
+  operands (`first`, `second`: `(a_smem, b_smem, shape)`, Sᵀ and dPᵀ), then two accumulates
+  whose left operands come from them (dV += Pᵀ dO, dK += dSᵀ Q).
+
+  `on_first(first product)` returns `(lhs0, state)`; acc0 += lhs0 @ rhs0 is issued at once,
+  and `on_second(second product, state)` (which returns lhs1) runs while it is on the tensor
+  cores; then acc1 += lhs1 @ rhs1. With `together` both products are issued before either is
+  awaited (`on_first` runs under the second), else the second right after `on_first`, ahead
+  of acc0's. Returns `(acc0 + lhs0 @ rhs0, acc1 + lhs1 @ rhs1)`. When interpreting
+  (`staging` given), the four run one after the other: the same sums."""
+  if staging is not None:
+    def product(a_smem, b_smem, shape):
+      def run(ref):
+        plgpu.wgmma(ref, a_smem, b_smem)
+        return ref[...]
+      return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+    lhs0, state = on_first(product(*first))
+    acc0 = matmul_accumulate(accs[0], lhs0, rhss_smem[0], staging=staging)
+    lhs1 = on_second(product(*second), state)
+    return acc0, matmul_accumulate(accs[1], lhs1, rhss_smem[1], staging=staging)
+
+  def issue(acc_refs):
+    def scoped(first_ref, second_ref):
+      plgpu.wgmma(first_ref, first[0], first[1])
+      if together:
+        plgpu.wgmma(second_ref, second[0], second[1])
+      lhs0, state = on_first(
+          plgpu.wgmma_accumulator_load(first_ref, wait_n=1 if together else 0))
+      if not together:
+        plgpu.wgmma(second_ref, second[0], second[1])
+      plgpu.wgmma(acc_refs[0], lhs0, rhss_smem[0])
+      # Commit groups retire in order: with one left in flight (acc0's), the second is done.
+      lhs1 = on_second(plgpu.wgmma_accumulator_load(second_ref, wait_n=1), state)
+      plgpu.wgmma(acc_refs[1], lhs1, rhss_smem[1])
+    pl.run_scoped(scoped, plgpu.ACC(first[2], jnp.float32), plgpu.ACC(second[2], jnp.float32))
+  return pl.run_state(issue)(
+      tuple(plgpu.ACC.init(layouts.to_accumulator_layout(acc)) for acc in accs))
+
+
 def matmul_beside_accumulate(acc, lhs, rhs_smem, fresh, on_fresh, like, *, staging=None,
                              after_issue=lambda: None):
   """FA3's intra-warpgroup overlap: issues a fresh product `a @ b` of shared-memory operands

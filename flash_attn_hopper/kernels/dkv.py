@@ -14,8 +14,10 @@ streams Q, dO, the LSE and δ of every query block of every query head in the KV
       dSᵀ = Pᵀ ∘ (dPᵀ − δ)
       dK += dSᵀ Q               scaled once at the end
 
-dV and dK are issued together. Up to OVERLAP_PRODUCTS_MAX_HEAD_DIM, Sᵀ and dPᵀ are too, and
-Pᵀ is computed while the tensor cores run dPᵀ.
+Below DV_BEFORE_DS_MIN_HEAD_DIM, dV and dK are issued together once dSᵀ is computed; from
+it on, dV is issued as soon as Pᵀ is, ahead of dSᵀ, which is computed while dV runs. Up to
+OVERLAP_PRODUCTS_MAX_HEAD_DIM, Sᵀ and dPᵀ are issued together, and Pᵀ is computed while the
+tensor cores run dPᵀ.
 
 A band masks only the query blocks on its edges (`masking.q_block_range`: those whose every
 query sees all the CTA's keys run unmasked), and key lengths only the tile whose keys
@@ -46,10 +48,11 @@ from flash_attn_hopper import softmax
 from flash_attn_hopper.kernels import common
 from flash_attn_hopper.kernels import fused_dq
 
-#: Every step issues dV and dK together (`accumulate.matmul_accumulate_pair`). Up to this
-#: head dim it also issues Sᵀ and dPᵀ together (2^(Sᵀ − LSE) runs under dPᵀ); above it, Sᵀ
-#: and dPᵀ run one at a time. Interleaved A/B on the H200 (fwd+bwd bf16, 16k, dK/dV kernel,
-#: 2026-11-30, two rounds each; the script is on branch dkv-d128-variants), at D 128:
+#: Up to this head dim a step issues Sᵀ and dPᵀ together (2^(Sᵀ − LSE) runs under dPᵀ);
+#: above it, Sᵀ runs alone. (From DV_BEFORE_DS_MIN_HEAD_DIM on, dV then goes ahead of dSᵀ;
+#: the measurements below, from before that, issued dV and dK together after dSᵀ at every
+#: head dim.) Interleaved A/B on the H200 (fwd+bwd bf16, 16k, dK/dV kernel, 2026-11-30, two
+#: rounds each; the script is on branch dkv-d128-variants), at D 128:
 #:   one matmul at a time: 8.42 / 8.49 ms non-causal, 3.88 / 3.96 causal;
 #:   only Sᵀ and dPᵀ together: 7.77 / 7.77, 4.12 / 3.51;
 #:   only dV and dK together: 7.36 / 7.36, 3.32 / 3.84 (kept);
@@ -89,6 +92,22 @@ OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 #: D 128 causal 4k 0.906 → 0.943 and 0.914 → 0.948), so paired schedules keep the hoisted
 #: addresses. Unhoisting the next tile's loads as well gave the spills back (112 bytes).
 UNHOISTED_EPILOGUE = True
+
+#: From this head dim on, a step issues dV += Pᵀ dO as soon as Pᵀ is computed, ahead of dSᵀ
+#: (`accumulate.products_then_accumulates`): Sᵀ, then Pᵀ, then dPᵀ and dV issued back to back,
+#: dSᵀ computed while dV runs, then dK. Below it, dV and dK are issued together after dSᵀ.
+#: Interleaved A/B on the H200 (2026-12-04, fwd+bwd, B·T = 16k, hidden 2048,
+#: `scripts/ab_switches.py`, bench/results/h200_dkv_dv_before_ds_ab.log; gradients bitwise
+#: equal), dK/dV ms together after dSᵀ → dV first:
+#:   D 128 bf16: 4k 1.589 → 1.518, causal 0.890 → 0.866; 16k 7.004 → 6.443, causal 3.358 →
+#:   3.130. fp16: 4k 1.645 → 1.557, 16k 7.116 → 6.775.
+#:   D 64 bf16, Sᵀ and dPᵀ issued together: 4k 1.746 → 1.848, causal 1.032 → 1.066; 16k
+#:   7.145 → 7.522, causal 3.755 → 3.770. With Sᵀ alone first, as at D 128: 4k 1.744 →
+#:   1.955, 16k 7.174 → 7.975.
+#: At D 128, Sᵀ and dPᵀ issued together before dV (as kept → that): 4k 1.459 → 1.657, 16k
+#: 6.327 → 7.074. dSᵀ from the rounded Pᵀ (fewer registers live) lost at both head dims
+#: (D 128 16k 7.399).
+DV_BEFORE_DS_MIN_HEAD_DIM = 128
 
 #: The dense query streams of a step (Q, dO, the LSE, δ and the queries' segment ids) share
 #: one (ready, consumed) barrier pair: one wait and one arrival a step for all of them, and
@@ -253,37 +272,58 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
     loaded(lse_s)
     return softmax.recompute(st, lse, opts.logits.exp2_scale, query_axis=1), cap_grad
 
-  def logits_grad(pt, dpt):
+  def logits_grad(pt, dpt, cap_grad):
     delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
     loaded(delta_s)
     return softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
 
   shape = (cfg.block_kv, cfg.block_q)
   q_slot, do_slot = refs.q_ring.at[slot], refs.do_ring.at[slot]
-  if dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM:
-    (pt, cap_grad), dpt = common.overlapped_matmuls(
-        (k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape), probabilities)
+  products = ((k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape))  # Sᵀ, dPᵀ
+  together = dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM
+  if refs.fused is None and dims.head_dim >= DV_BEFORE_DS_MIN_HEAD_DIM:
+    def dv_operand(st):  # Pᵀ rounded for dV, and kept in float32 (with the cap's) for dSᵀ.
+      pt, cap_grad = probabilities(st)
+      return pt.astype(dims.dtype), (pt, cap_grad)
+    dv, dk = accumulate.products_then_accumulates(
+        (dv, dk), *products, dv_operand,
+        lambda dpt, kept: logits_grad(kept[0], dpt, kept[1]).astype(dims.dtype),
+        (do_slot, q_slot), together=together, staging=staging)
   else:
-    pt, cap_grad = probabilities(common.matmul(k_smem, q_slot.T, shape))
-    dpt = common.matmul(v_smem, do_slot.T, shape)
-  dst = logits_grad(pt, dpt).astype(dims.dtype)
-  if refs.fused is None:
-    dk, dv = accumulate.matmul_accumulate_pair(
-        (dk, dv), (dst, pt.astype(dims.dtype)), (q_slot, do_slot), staging=staging)
-  else:  # FA3's order: dV, then dQ's part (from both warpgroups' dSᵀ), then dK.
-    fused_dq.store_ds(dst, step=step, wg=wg, buffers=refs.fused)
-    head, q0 = step_rows(step, tile, dims, cfg)
-    add = functools.partial(fused_dq.add_product, step=step, wg=wg, head=head, q0=q0,
-                            batch=tile.batch, buffers=refs.fused, dims=dims, opts=opts)
-    dv, dk = accumulate.matmul_accumulate_pair_around(
-        (dv, dk), (pt.astype(dims.dtype), dst), (do_slot, q_slot),
-        fused_dq.product(step=step, wg=wg, k_smem=refs.k_smem, buffers=refs.fused, dims=dims,
-                         cfg=cfg), add, staging=staging)
+    if together:
+      (pt, cap_grad), dpt = common.overlapped_matmuls(*products, probabilities)
+    else:
+      pt, cap_grad = probabilities(common.matmul(*products[0]))
+      dpt = common.matmul(*products[1])
+    dst = logits_grad(pt, dpt, cap_grad).astype(dims.dtype)
+    if refs.fused is None:
+      dk, dv = accumulate.matmul_accumulate_pair(
+          (dk, dv), (dst, pt.astype(dims.dtype)), (q_slot, do_slot), staging=staging)
+    else:
+      dk, dv = _fused_step(dk, dv, pt.astype(dims.dtype), dst, step=step, wg=wg, tile=tile,
+                           refs=refs, q_slot=q_slot, do_slot=do_slot, staging=staging,
+                           dims=dims, opts=opts)
   if shared:  # After the LSE's and δ's loads, and dK's and dV's matmuls.
     pipeline.free_after_loads(q_s.consumed.at[slot])
   else:
     plgpu.barrier_arrive(do_s.consumed.at[slot])
     plgpu.barrier_arrive(q_s.consumed.at[slot])
+  return dk, dv
+
+
+def _fused_step(dk, dv, pt, dst, *, step, wg, tile, refs: _Refs, q_slot, do_slot, staging,
+                dims, opts):
+  """dV and dK with dQ's part between them (`BackwardConfig.fused_dq`), FA3's order: dV, then
+  dQ's part (from both warpgroups' dSᵀ), then dK. `pt` is rounded to the inputs' dtype."""
+  cfg = opts.config
+  fused_dq.store_ds(dst, step=step, wg=wg, buffers=refs.fused)
+  head, q0 = step_rows(step, tile, dims, cfg)
+  add = functools.partial(fused_dq.add_product, step=step, wg=wg, head=head, q0=q0,
+                          batch=tile.batch, buffers=refs.fused, dims=dims, opts=opts)
+  dv, dk = accumulate.matmul_accumulate_pair_around(
+      (dv, dk), (pt, dst), (do_slot, q_slot),
+      fused_dq.product(step=step, wg=wg, k_smem=refs.k_smem, buffers=refs.fused, dims=dims,
+                       cfg=cfg), add, staging=staging)
   return dk, dv
 
 
