@@ -223,3 +223,22 @@ def test_dq_kv_share_barriers_behind_their_switch(monkeypatch, feature):
                    if name != "dq"})
   assert counts[1][0] < counts[0][0] and counts[1][1] < counts[0][1], counts
   assert others[0] == others[1], others
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+def test_dkv_issues_dv_before_ds_from_its_head_dim(monkeypatch):
+  """From `dkv.DV_BEFORE_DS_MIN_HEAD_DIM` on (D 128), the dK/dV step waits for dPᵀ with dV
+  still in flight (a wait that leaves one commit group pending, which that step had none of
+  before); at D 64 its waits are the ones it had with the switch off."""
+  from flash_attn_hopper.kernels import dkv  # pylint: disable=g-import-not-at-top
+  waits = [f"wgmma.wait_group.sync.aligned {n};" for n in (0, 1)]
+  for d in (64, 128):
+    counts = []
+    for min_head_dim in (1 << 30, dkv.DV_BEFORE_DS_MIN_HEAD_DIM):
+      monkeypatch.setattr(dkv, "DV_BEFORE_DS_MIN_HEAD_DIM", min_head_dim)
+      text = _kernel_modules(monkeypatch, d)["dkv"]
+      counts.append(tuple(text.count(w) for w in waits))
+    if d >= 128:
+      assert counts == [(3, 0), (2, 1)], counts
+    else:
+      assert counts[0] == counts[1] and counts[0][1] > 0, counts

@@ -282,7 +282,7 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
   products = ((k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape))  # Sᵀ, dPᵀ
   together = dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM
   if refs.fused is None and dims.head_dim >= DV_BEFORE_DS_MIN_HEAD_DIM:
-    def dv_operand(st):  # Pᵀ rounded for dV, and kept in float32 (with the cap's) for dSᵀ.
+    def dv_operand(st):  # Pᵀ rounded for dV; in float32, with the cap's derivative, for dSᵀ.
       pt, cap_grad = probabilities(st)
       return pt.astype(dims.dtype), (pt, cap_grad)
     dv, dk = accumulate.products_then_accumulates(
