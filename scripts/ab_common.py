@@ -13,6 +13,19 @@ from flash_attn_hopper import workloads
 PREFIX = "flash_attn_hopper_"
 
 
+CAUSAL_MODES = {"full": (False,), "causal": (True,), "both": (False, True)}
+
+
+def grid_args(argv, first: int, dims="128", seqs="1024,4096", causal="both"):
+  """The cells a script's command line names from `argv[first]` on: head dims, sequence
+  lengths, dtype and `full|causal|both`, each with its default when left out. Returns
+  (dims, seqs, dtype, causal modes) and the arguments after them."""
+  args = list(argv[first:first + 4]) + [None] * 4
+  dims, seqs, dtype, causal = (a or b for a, b in zip(args, (dims, seqs, "bfloat16", causal)))
+  return ([int(x) for x in dims.split(",")], [int(x) for x in seqs.split(",")],
+          jnp.dtype(dtype), CAUSAL_MODES[causal], list(argv[first + 4:]))
+
+
 def race_inputs(head_dim: int, seq: int, is_causal: bool, dtype, rng=None):
   """Standard-normal (q, k, v, dout) in `dtype` for the race grid's cell
   (`workloads.hidden_2048_grid`: B·T = 16k tokens, hidden 2048); `rng` defaults to a fresh

@@ -18,7 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import flash_attn_hopper as fah
-from ab_common import fwd_bwd, race_inputs, timings
+from ab_common import fwd_bwd, grid_args, race_inputs, timings
 
 
 @contextlib.contextmanager
@@ -70,12 +70,8 @@ def cell(pass_, d, t, causal, dtype, sides, rounds=3, switch=switched):
 
 def main(argv, default_sides="base", switch=switched):
   pass_ = argv[1]
-  dims = [int(x) for x in (argv[2] if len(argv) > 2 else "128").split(",")]
-  seqs = [int(x) for x in (argv[3] if len(argv) > 3 else "1024,4096").split(",")]
-  dtype = jnp.dtype(argv[4] if len(argv) > 4 else "bfloat16")
-  causal = {"full": (False,), "causal": (True,), "both": (False, True)}[
-      argv[5] if len(argv) > 5 else "both"]
-  sides = (argv[6] if len(argv) > 6 else default_sides).split(",")
+  dims, seqs, dtype, causal, rest = grid_args(argv, 2)
+  sides = (rest[0] if rest else default_sides).split(",")
   for d in dims:
     for t in seqs:
       for c in causal:

@@ -65,19 +65,14 @@ def main(argv):
       print(summarize(f.read()))
     return
   import jax
-  import jax.numpy as jnp
   import numpy as np
   import flash_attn_hopper as fah
-  from ab_common import fwd_bwd, race_inputs
+  from ab_common import fwd_bwd, grid_args, race_inputs
   from ab_switches import switched
 
   root = argv[1]
-  dims = [int(x) for x in (argv[2] if len(argv) > 2 else "64,128").split(",")]
-  seqs = [int(x) for x in (argv[3] if len(argv) > 3 else "4096").split(",")]
-  dtype = jnp.dtype(argv[4] if len(argv) > 4 else "bfloat16")
-  causal_modes = {"full": (False,), "causal": (True,), "both": (False, True)}[
-      argv[5] if len(argv) > 5 else "full"]
-  side = argv[6] if len(argv) > 6 else "base"
+  dims, seqs, dtype, causal_modes, rest = grid_args(argv, 2, "64,128", "4096", "full")
+  side = rest[0] if rest else "base"
   cuda_bin = os.environ.get("CUDA_BIN", "/usr/local/cuda-13.0/bin")
   os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1")
   rng = np.random.default_rng(0)
