@@ -65,19 +65,9 @@ from flash_attn_hopper.kernels import fused_dq
 #: barriers (2026-12-03, bf16 fwd+bwd, B·T = 16k, hidden 2048, `scripts/ab_switches.py`,
 #: bench/results/h200_dkv_pingpong_ab.log), dK/dV ms at D 128 with Sᵀ and dPᵀ together:
 #: 4k 1.578 → 1.630, causal 0.889 → 0.896; 16k 6.666 → 7.309, causal 3.327 → 3.392.
-#: The warpgroups do not wait for each other here. Making them take turns on the tensor
-#: cores (FA3's ping-pong, a rendezvous after Sᵀ's issue and another before dV and dK,
-#: warpgroup 1 a pass behind) lost or tied in the same run: D 128 4k 1.578 → 1.576, causal
-#: 0.889 → 0.965, 16k 6.666 → 6.762, causal 3.327 → 3.290; D 64 4k 1.771 → 1.795, causal
-#: 1.042 → 1.183, 16k 7.242 → 7.202, causal 3.751 → 4.022 (the code: commit ff6b252).
-#: Pipelining the steps (step j issues dV, then step j + 1's Sᵀ, then dK, and computes step
-#: j + 1's 2^(Sᵀ − LSE) under dK, Pᵀ carried in float32) spilled at the tuned tiles (ptxas:
-#: D 64 104 bytes of spill loads, D 128 72; none without it) and lost, non-causal dK/dV ms
-#: (2026-12-04, bench/results/h200_dkv_pipelined_steps_ab.log; the code: branch
-#: dkv-pipelined-steps): D 64 4k 1.773 → 1.991, 16k 7.321 → 8.075; D 128 4k 1.598 → 1.635,
-#: 16k 6.916 → 7.336. At D 64 on 64-row query tiles it spills nothing and beats the same
-#: tiles unpipelined at 16k (9.240 → 8.881) but not at 4k (2.274 → 2.363), and both trail
-#: the tuned 128-row tiles (1.759, 7.097).
+#: Other step orders were measured and dropped: FA3's ping-pong of the two warpgroups
+#: (twenty-sixth session) and pipelined steps, Sᵀ of step j + 1 under step j's dK
+#: (twenty-seventh; the code on branch dkv-pipelined-steps); bench/NOTES.md has their numbers.
 OVERLAP_PRODUCTS_MAX_HEAD_DIM = 64
 
 #: On persistent CTAs without mirror pairs (no causal bound), `_store` addresses its buffers
