@@ -19,7 +19,7 @@ CAUSAL_MODES = {"full": (False,), "causal": (True,), "both": (False, True)}
 def grid_args(argv, first: int, dims="128", seqs="1024,4096", causal="both"):
   """The cells a script's command line names from `argv[first]` on: head dims, sequence
   lengths, dtype and `full|causal|both`, each with its default when left out. Returns
-  (dims, seqs, dtype, causal modes) and the arguments after them."""
+  (dims, seqs, dtype, causal modes, the arguments after those four)."""
   args = list(argv[first:first + 4]) + [None] * 4
   dims, seqs, dtype, causal = (a or b for a, b in zip(args, (dims, seqs, "bfloat16", causal)))
   return ([int(x) for x in dims.split(",")], [int(x) for x in seqs.split(",")],

@@ -10,6 +10,9 @@ _PATH = pathlib.Path(__file__).parent.parent / "scripts" / "sass_dump.py"
 _spec = importlib.util.spec_from_file_location("sass_dump", _PATH)
 sass_dump = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_dump)
+_spec = importlib.util.spec_from_file_location("ab_common", _PATH.with_name("ab_common.py"))
+ab_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_common)
 
 # Cut from nvdisasm's listing of the D 64 dK/dV kernel on the H200 (2026-12-04): Sᵀ and dPᵀ
 # issued, the wait for Sᵀ, exponentials, the wait for dPᵀ, more exponentials, a barrier.
@@ -46,3 +49,12 @@ def test_notes_keep_what_the_summary_lines_do_not_say():
   lines = ptxas_tests.SAMPLE.splitlines()  # ptxas -v on the H200: three kernels, one spill
   assert sass_dump.notes(ptxas_tests.SAMPLE) == [lines[0], lines[9]]
   assert "(C7519)" in lines[0] and "Registers are spilled" in lines[9]
+
+
+def test_grid_args_fill_in_defaults_and_pass_on_the_rest():
+  dims, seqs, dtype, causal, rest = ab_common.grid_args(["x", "DIR", "64,128"], 2, "256",
+                                                        "4096", "full")
+  assert (dims, seqs, str(dtype), causal, rest) == ([64, 128], [4096], "bfloat16", (False,), [])
+  *_, dtype, causal, rest = ab_common.grid_args(
+      ["x", "fwd", "64", "1024", "float16", "both", "base,a=1"], 2)
+  assert (str(dtype), causal, rest) == ("float16", (False, True), ["base,a=1"])
