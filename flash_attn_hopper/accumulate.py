@@ -35,6 +35,15 @@ def staging_types(num_buffers: int, shape, dtype, *, interpret: bool) -> tuple:
   return (plgpu.SMEM((num_buffers, *shape), dtype),) if interpret else ()
 
 
+def product(a_smem, b_smem, shape):
+  """a @ b of two shared-memory operands into a fresh float32 accumulator, as an array (the
+  wait for it included)."""
+  def run(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem)
+    return acc_ref[...]
+  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
 def matmul_accumulate(acc, lhs, rhs_smem, *, staging=None, while_running=lambda: None):
   """Returns acc + lhs @ rhs_smem (float32), running `while_running()` during the matmul.
 
@@ -105,23 +114,17 @@ def matmul_accumulate_pair_around(accs, lhss, rhss_smem, fresh, on_fresh, *, sta
 
 
 def products_then_accumulates(accs, first, second, on_first, on_second, rhss_smem, *,
-                              together: bool, staging=None):
+                              staging=None):
   """The dK/dV step with dV issued before dS exists: two fresh products of shared-memory
   operands (`first`, `second`: `(a_smem, b_smem, shape)`, Sᵀ and dPᵀ), then two accumulates
   whose left operands come from them (dV += Pᵀ dO, dK += dSᵀ Q).
 
-  `on_first(first product)` returns `(lhs0, state)`; acc0 += lhs0 @ rhs0 is issued at once,
-  and `on_second(second product, state)` (which returns lhs1) runs while it is on the tensor
-  cores; then acc1 += lhs1 @ rhs1. With `together` both products are issued before either is
-  awaited (`on_first` runs under the second), else the second right after `on_first`, ahead
-  of acc0's. Returns `(acc0 + lhs0 @ rhs0, acc1 + lhs1 @ rhs1)`. When interpreting
+  The first product is awaited and `on_first(it)` returns `(lhs0, state)`. Then the second
+  product and acc0 += lhs0 @ rhs0 are issued back to back, `on_second(second product, state)`
+  (which returns lhs1) runs while acc0's matmul is on the tensor cores, and acc1 += lhs1 @
+  rhs1 is issued. Returns `(acc0 + lhs0 @ rhs0, acc1 + lhs1 @ rhs1)`. When interpreting
   (`staging` given), the four run one after the other: the same sums."""
   if staging is not None:
-    def product(a_smem, b_smem, shape):
-      def run(ref):
-        plgpu.wgmma(ref, a_smem, b_smem)
-        return ref[...]
-      return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
     lhs0, state = on_first(product(*first))
     acc0 = matmul_accumulate(accs[0], lhs0, rhss_smem[0], staging=staging)
     lhs1 = on_second(product(*second), state)
@@ -130,12 +133,8 @@ def products_then_accumulates(accs, first, second, on_first, on_second, rhss_sme
   def issue(acc_refs):
     def scoped(first_ref, second_ref):
       plgpu.wgmma(first_ref, first[0], first[1])
-      if together:
-        plgpu.wgmma(second_ref, second[0], second[1])
-      lhs0, state = on_first(
-          plgpu.wgmma_accumulator_load(first_ref, wait_n=1 if together else 0))
-      if not together:
-        plgpu.wgmma(second_ref, second[0], second[1])
+      lhs0, state = on_first(plgpu.wgmma_accumulator_load(first_ref, wait_n=0))
+      plgpu.wgmma(second_ref, second[0], second[1])
       plgpu.wgmma(acc_refs[0], lhs0, rhss_smem[0])
       # Commit groups retire in order: with one left in flight (acc0's), the second is done.
       lhs1 = on_second(plgpu.wgmma_accumulator_load(second_ref, wait_n=1), state)
@@ -158,10 +157,7 @@ def matmul_beside_accumulate(acc, lhs, rhs_smem, fresh, on_fresh, like, *, stagi
   computed, `on_fresh` run, and then the accumulate, one after the other: the same sums."""
   a_smem, b_smem, shape = fresh
   if staging is not None:
-    def product(s_ref):
-      plgpu.wgmma(s_ref, a_smem, b_smem)
-      return s_ref[...]
-    s = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+    s = product(a_smem, b_smem, shape)
     after_issue()
     result = on_fresh(s)
     return matmul_accumulate(acc, lhs, rhs_smem, staging=staging), result

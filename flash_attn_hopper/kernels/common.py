@@ -308,14 +308,6 @@ def zeros_accumulator(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def matmul(a_smem, b_smem, shape):
-  """a @ b of two shared-memory operands into a fresh float32 accumulator, as an array."""
-  def run(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
-    return acc_ref[...]
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
 def overlapped_matmuls(first, second, on_first, before_second=lambda: None):
   """Two matmuls of shared-memory operands, each `(a_smem, b_smem, shape)`, into fresh float32
   accumulators, both issued before either is awaited. Returns `(on_first(a @ b of first),

@@ -270,21 +270,20 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
   shape = (cfg.block_kv, cfg.block_q)
   q_slot, do_slot = refs.q_ring.at[slot], refs.do_ring.at[slot]
   products = ((k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape))  # Sᵀ, dPᵀ
-  together = dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM
-  if refs.fused is None and dims.head_dim >= DV_BEFORE_DS_MIN_HEAD_DIM:
+  if refs.fused is None and dims.head_dim >= DV_BEFORE_DS_MIN_HEAD_DIM:  # Sᵀ alone first.
     def dv_operand(st):  # Pᵀ rounded for dV; in float32, with the cap's derivative, for dSᵀ.
       pt, cap_grad = probabilities(st)
       return pt.astype(dims.dtype), (pt, cap_grad)
     dv, dk = accumulate.products_then_accumulates(
         (dv, dk), *products, dv_operand,
         lambda dpt, kept: logits_grad(kept[0], dpt, kept[1]).astype(dims.dtype),
-        (do_slot, q_slot), together=together, staging=staging)
+        (do_slot, q_slot), staging=staging)
   else:
-    if together:
+    if dims.head_dim <= OVERLAP_PRODUCTS_MAX_HEAD_DIM:
       (pt, cap_grad), dpt = common.overlapped_matmuls(*products, probabilities)
     else:
-      pt, cap_grad = probabilities(common.matmul(*products[0]))
-      dpt = common.matmul(*products[1])
+      pt, cap_grad = probabilities(accumulate.product(*products[0]))
+      dpt = accumulate.product(*products[1])
     dst = logits_grad(pt, dpt, cap_grad).astype(dims.dtype)
     if refs.fused is None:
       dk, dv = accumulate.matmul_accumulate_pair(

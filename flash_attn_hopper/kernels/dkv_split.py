@@ -317,7 +317,7 @@ def _dv_step(step, dv, *, tile: _Tile, ring0, k_ids, refs: _Refs, streams, pbar,
   q_s, do_s, lse_s, delta_s, ids_s, mask_s = _split_streams(streams, opts)
   stages = cfg.num_stages
   _wait_ready(streams, position, stages)
-  st = common.matmul(refs.k_smem, refs.q_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
+  st = accumulate.product(refs.k_smem, refs.q_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
   _release((q_s,), position, stages)  # Warpgroup 0 reads Q for Sᵀ only.
   mask_t = None  # A mask's tile comes on masked steps only (`_mask_stream`).
   if masked and mask_s is not None:
@@ -355,7 +355,7 @@ def _dk_step(step, dk, *, ring0, refs: _Refs, streams, pbar, dims, opts):
   stages = cfg.num_stages
   _wait_ready(streams, position, stages)
   _release((lse_s, ids_s, mask_s), position, stages)  # Warpgroup 0's.
-  dpt = common.matmul(refs.v_smem, refs.do_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
+  dpt = accumulate.product(refs.v_smem, refs.do_ring.at[slot].T, (BLOCK_KV, cfg.block_q))
   _release((do_s,), position, stages)
   delta = plgpu.load(refs.delta_ring.at[slot], layout=common.COLUMNS)
   _release((delta_s,), position, stages, loaded=True)
