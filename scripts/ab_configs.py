@@ -1,27 +1,26 @@
 """A/B on a Hopper GPU: the forward under several `ForwardConfig`s (with --backward, fwd+bwd
 under several `BackwardConfig`s), and cuDNN, on the race grid's cells (B·T = 16k tokens,
 hidden 2048), interleaved over rounds, CUPTI device time:
-  PYTHONPATH=. python3 scripts/ab_configs.py --head-dim 64 --seq-lens 1024,4096 \
+  PYTHONPATH=.:scripts python3 scripts/ab_configs.py --head-dim 64 --seq-lens 1024,4096 \
       --causal both --configs tuned 128,64,2 128,64,2,o [--dtype float16] [--rounds 3]
-  PYTHONPATH=. python3 scripts/ab_configs.py --backward --configs tuned 64,64,3 128,64,2
+  PYTHONPATH=.:scripts python3 scripts/ab_configs.py --backward --configs tuned 64,64,3 128,64,2
 A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `,o` for the
 forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
 for its dq_block_kv: `64,64,2,2,32`), or `,f` for
 its fused_dq (the five-matmul backward; `fused` alone is the op's `deterministic=False`). Each config's
 output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
-config's best-of-rounds median time, TFLOP/s and ratio to cuDNN."""
+config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the
+dQ and dK/dV kernels' ms in that round)."""
 import argparse
 import functools
-import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.mosaic.gpu import profiler
-
 import flash_attn_hopper as fah
 from bench.autotune import CHECK_ATOL, max_diff, timed_program
 from flash_attn_hopper import config as config_lib
+from ab_common import timings
 
 TOKENS, HIDDEN = 16384, 2048
 
@@ -40,11 +39,6 @@ def parse_config(text: str, backward: bool):
                               fused_dq=fused)
   return fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                            overlap_softmax=parts[3:] == ["o"])
-
-
-def median_ms(fn, *args) -> float:
-  _, runs = profiler.measure(fn, aggregate=False, iterations=10)(*args)
-  return statistics.median(sum(t for _, t in run) for run in runs)
 
 
 def main():
@@ -78,19 +72,21 @@ def main():
       expected = fns["cudnn"](*args)
       scale = max(float(jnp.max(jnp.abs(g))) for g in expected) if a.backward else 1.0
       errors = {n: max_diff(f(*args), expected) / scale for n, f in fns.items()}
+      kernels = ("dq", "dkv") if a.backward else ()
       times = {n: [] for n in fns if errors[n] <= CHECK_ATOL}
       for _ in range(a.rounds):
         for n in times:
-          times[n].append(median_ms(fns[n], *args))
+          times[n].append(timings(fns[n], *args, kernels=kernels))
       flops = 4 * b * h * t * t * d / (2 if causal else 1) * (3.5 if a.backward else 1)
-      base = min(times["cudnn"])
+      base = min(times["cudnn"])[0]
       cells = []
       for n in fns:
         if n not in times:
           cells.append(f"{n}: WRONG (max diff {errors[n]:.2e})")
           continue
-        best = min(times[n])
-        cells.append(f"{n}: {best:.3f} ms {flops / best / 1e9:.0f} ({base / best:.3f}x)")
+        best, parts = min(times[n], key=lambda r: r[0])
+        split = "".join(f" {k} {ms:.3f}" for k, ms in parts.items()) if n != "cudnn" else ""
+        cells.append(f"{n}: {best:.3f} ms{split} {flops / best / 1e9:.0f} ({base / best:.3f}x)")
       kind = "fwd+bwd" if a.backward else "fwd"
       print(f"{kind} D {d} T {t} causal {causal}: " + " | ".join(cells), flush=True)
 
