@@ -1,14 +1,15 @@
 """A/B on a Hopper GPU of module switches, interleaved with cuDNN on the same inputs, CUPTI
 device time:
   PYTHONPATH=.:scripts python3 scripts/ab_switches.py fwd|fwdbwd [head dims] [seq lens]
-      [dtype] [full|causal|both] [sides]
+      [dtype] [full|causal|both] [sides] [--nondeterministic]
 A side is `base` (the modules as they are) or assignments `module.NAME=value` joined by `+`,
 the module under `flash_attn_hopper` (`kernels.dkv.SHARED_STEP_BARRIERS=False`) and the value
 a Python literal. e.g. `fwdbwd 64,128 1024,4096 bfloat16 both
 base,kernels.dkv.SHARED_STEP_BARRIERS=False`. B·T = 16k tokens, hidden 2048. Each side is set
 before it compiles and restored after. Prints each side's best of rounds of 10-run medians
 (ms; dQ and dK/dV alone for fwdbwd), its ratio to cuDNN, and whether the sides' outputs are
-bitwise equal."""
+bitwise equal. `--nondeterministic` calls our op with deterministic=False (the five-matmul
+backward where `config.TUNED_BACKWARD_FUSED` takes it)."""
 import ast
 import contextlib
 import functools
@@ -40,7 +41,7 @@ def switched(side: str):
       setattr(module, name, value)
 
 
-def cell(pass_, d, t, causal, dtype, sides, rounds=3, switch=switched):
+def cell(pass_, d, t, causal, dtype, sides, rounds=3, switch=switched, deterministic=True):
   """Times one cell's `sides` (each compiled under `switch(side)`) against cuDNN."""
   q, k, v, dout = race_inputs(d, t, causal, dtype)
   args = (q, k, v) if pass_ == "fwd" else (q, k, v, dout)
@@ -51,7 +52,8 @@ def cell(pass_, d, t, causal, dtype, sides, rounds=3, switch=switched):
   for side in sides:
     with switch(side):
       jax.clear_caches()
-      fns[side] = wrap(functools.partial(fah.dot_product_attention, is_causal=causal)
+      fns[side] = wrap(functools.partial(fah.dot_product_attention, is_causal=causal,
+                                         deterministic=deterministic)
                        ).lower(*args).compile()
   outs = {n: jax.tree.leaves(fns[n](*args)) for n in sides}
   same = all(bool(jnp.all(a == b)) for n in sides for a, b in zip(outs[n], outs[sides[0]]))
@@ -69,13 +71,16 @@ def cell(pass_, d, t, causal, dtype, sides, rounds=3, switch=switched):
 
 
 def main(argv, default_sides="base", switch=switched):
+  deterministic = "--nondeterministic" not in argv
+  argv = [a for a in argv if a != "--nondeterministic"]
   pass_ = argv[1]
   dims, seqs, dtype, causal, rest = grid_args(argv, 2)
   sides = (rest[0] if rest else default_sides).split(",")
   for d in dims:
     for t in seqs:
       for c in causal:
-        cell(pass_, d, t, c, dtype, sides, rounds=5 if pass_ == "fwd" else 3, switch=switch)
+        cell(pass_, d, t, c, dtype, sides, rounds=5 if pass_ == "fwd" else 3, switch=switch,
+             deterministic=deterministic)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,10 @@ UNHOISTED_EPILOGUE = True
 #:   1.955, 16k 7.174 → 7.975.
 #: At D 128, Sᵀ and dPᵀ issued together before dV (as kept → that): 4k 1.459 → 1.657, 16k
 #: 6.327 → 7.074. dSᵀ from the rounded Pᵀ (fewer registers live) lost at both head dims
-#: (D 128 16k 7.399).
+#: (D 128 16k 7.399). The five-matmul step (`_fused_step`) keeps FA3's order at every head
+#: dim: dV first there, its dQ part issued before dK, made dK/dV slower at D 128 16k, bf16
+#: 10.566 → 10.840 ms, fp16 10.872 → 11.208 (2026-12-04, `ab_switches.py ... --nondeterministic`,
+#: bench/results/h200_fused_dq_dv_first_ab.log; the code on branch fused-dv-first).
 DV_BEFORE_DS_MIN_HEAD_DIM = 128
 
 #: The dense query streams of a step (Q, dO, the LSE, δ and the queries' segment ids) share
