@@ -35,7 +35,8 @@ from bench import timing
 BLOCK_Q = (64,)
 BLOCK_KV = (64, 128, 192, 256)
 NUM_STAGES = (2, 3)
-#: The backward's candidates: block_q and block_kv of both kernels (dQ and dK/dV share them).
+#: The backward's candidates: block_q and block_kv of both kernels (dQ and dK/dV share them,
+#: except that dQ also tries 64-row tiles beside a larger block_q: `dq_block_q`).
 BACKWARD_BLOCKS = (64, 128)
 #: Max abs difference from cuDNN's output a candidate may show (half-precision outputs of O(1)).
 CHECK_ATOL = 2e-2
@@ -47,9 +48,10 @@ def candidates(head_dim: int, dtype, block_kvs=BLOCK_KV, backward: bool = False,
   if backward:  # dQ's ring on 32-key blocks, or one stage deep, only where the shared one
     # does not fit (D 256).
     configs = [[fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=n, dq_num_stages=dq,
-                                   dq_block_kv=keys)
+                                   dq_block_kv=keys, dq_block_q=rows)
                 for dq, keys in ((None, None), (None, 32), (1, None))]
-               for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2) for n in NUM_STAGES]
+               for bq, bkv in itertools.product(BACKWARD_BLOCKS, repeat=2) for n in NUM_STAGES
+               for rows in (None, *(r for r in BACKWARD_BLOCKS if r < bq))]
   else:
     configs = [[fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=n, overlap_softmax=o)]
                for bq, bkv, n, o in itertools.product(block_qs, block_kvs, NUM_STAGES,

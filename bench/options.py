@@ -64,10 +64,11 @@ def _add_grid_options(p: argparse.ArgumentParser):
                  "(default: all that import); ours always runs")
   g.add_argument("--interpret", action="store_true",
                  help="run our kernel with interpret=True (CPU smoke runs)")
-  g.add_argument("--backward-config", metavar="BQ,BKV,STAGES[,DQ_STAGES[,DQ_BKV]]",
+  g.add_argument("--backward-config", metavar="BQ,BKV,STAGES[,DQ_STAGES[,DQ_BKV[,DQ_BQ]]]",
                  default=None,
                  help="our op's backward_config for every cell (e.g. 64,64,2,2,32: at "
-                      "D 256, dQ's ring two stages of 32 keys)")
+                      "D 256, dQ's ring two stages of 32 keys; 128,64,2,2,64,64: dQ on "
+                      "64-row tiles)")
   g.add_argument("--nondeterministic", action="store_true",
                  help="our op with deterministic=False: the five-matmul backward where it "
                       "measured faster (flash_attn_hopper.config.TUNED_BACKWARD_FUSED)")
@@ -116,9 +117,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
   args.dtypes = _choices(_pick(args, "dtypes"), DTYPES, "--dtypes")
   if args.backward_config is not None:
     fields = _ints(args.backward_config, "--backward-config")
-    if len(fields) not in (3, 4, 5):
-      raise SystemExit("--backward-config takes BQ,BKV,STAGES, then optionally DQ_STAGES "
-                       "and DQ_BKV")
+    if len(fields) not in (3, 4, 5, 6):
+      raise SystemExit("--backward-config takes BQ,BKV,STAGES, then optionally DQ_STAGES, "
+                       "DQ_BKV and DQ_BQ")
     import flash_attn_hopper  # pylint: disable=import-outside-toplevel
     args.backward_config = flash_attn_hopper.BackwardConfig(*fields)
   if args.peers is None or args.peers == "all":

@@ -124,6 +124,8 @@ def test_backward_config_reaches_our_peer():
   args = options.resolve(p.parse_args(["--backward-config", "64,64,2,1"]))
   assert args.backward_config == fah.BackwardConfig(64, 64, 2, dq_num_stages=1)
   assert "dq_num_stages=1" in peers.ours_peer(False, args.backward_config).description
+  args = options.resolve(p.parse_args(["--backward-config", "128,64,2,2,64,64"]))
+  assert args.backward_config.dq_rows == 64 and args.backward_config.block_q == 128
   with pytest.raises(SystemExit):
     options.resolve(p.parse_args(["--backward-config", "64,64"]))
 

@@ -177,6 +177,10 @@ class BackwardConfig:
   #: same): a multiple of DQ_BLOCK_KV_MULTIPLE. At D 256, 32 keys let that ring take two
   #: stages in the shared memory of one 64-key stage (`TUNED_BACKWARD`).
   dq_block_kv: int | None = None
+  #: Query rows per compute warpgroup of the dQ kernel when they must differ from `block_q`
+  #: (None: the same), a multiple of the wgmma tile's 64 rows: at D 64 causal from 4k on,
+  #: dK/dV streams 128-row query blocks and dQ runs faster on 64 (`TUNED_BACKWARD_LONG`).
+  dq_block_q: int | None = None
   #: FA3's five-matmul backward: no dQ kernel; the dK/dV kernel also computes dQ and adds it
   #: into a float32 accumulator with TMA reduce-adds in no fixed order, so dQ's bits may
   #: change from run to run (`kernels/fused_dq.py`). The op's `deterministic=False` takes it
@@ -194,6 +198,14 @@ class BackwardConfig:
                        f"{DQ_BLOCK_KV_MULTIPLE}, got {keys!r}")
     if not isinstance(self.fused_dq, (bool, np.bool_)):
       raise TypeError(f"BackwardConfig.fused_dq must be a bool, got {self.fused_dq!r}")
+    rows = self.dq_block_q
+    if rows is not None and (not isinstance(rows, (int, np.integer)) or isinstance(rows, bool)
+                             or rows <= 0 or rows % hardware.WGMMA_ROWS):
+      raise ValueError(f"BackwardConfig.dq_block_q must be None or a positive multiple of "
+                       f"{hardware.WGMMA_ROWS}, got {rows!r}")
+    if rows is not None and self.fused_dq:
+      raise ValueError("BackwardConfig.dq_block_q sizes the dQ kernel, which fused_dq=True "
+                       "does without; leave dq_block_q None")
 
   @property
   def dq_stages(self) -> int:
@@ -204,6 +216,15 @@ class BackwardConfig:
   def dq_keys(self) -> int:
     """Keys per step of the dQ kernel's K/V ring."""
     return self.block_kv if self.dq_block_kv is None else self.dq_block_kv
+
+  @property
+  def dq_rows(self) -> int:
+    """Query rows per compute warpgroup of the dQ kernel."""
+    return self.block_q if self.dq_block_q is None else self.dq_block_q
+
+  def for_dq(self) -> "BackwardConfig":
+    """This config as the dQ kernel reads it: `block_q` is its `dq_rows`."""
+    return dataclasses.replace(self, block_q=self.dq_rows, dq_block_q=None)
 
   def smem_bytes(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0, bias_grad: bool = False) -> int:
@@ -220,7 +241,7 @@ class BackwardConfig:
       return (self._dkv_smem_bytes(head_dim, itemsize, segments, bias_bytes)
               + self.fused_dq_smem_bytes(itemsize))
     wgs = pipeline.NUM_COMPUTE_WARPGROUPS
-    q_rows = wgs * self.block_q
+    q_rows = wgs * self.dq_rows
     dq = (2 * q_rows * head_dim * itemsize + 2 * q_rows * 4
           + 2 * self.dq_stages * self.dq_keys * head_dim * itemsize
           + self.dq_stages * q_rows * self.dq_keys * bias_bytes
@@ -277,7 +298,7 @@ class BackwardConfig:
       raise ValueError(
           f"{self} needs {need} bytes of shared memory at head_dim={head_dim}, over the "
           f"{SMEM_BUDGET}-byte budget; lower BackwardConfig.block_q, block_kv or num_stages, "
-          f"or set dq_num_stages=1 or a smaller dq_block_kv (dQ's ring)")
+          f"or set dq_num_stages=1, a smaller dq_block_kv or dq_block_q (dQ's)")
 
 
 # Tuned on an H200 with jax 0.11.2, 2026-11-29, float16, by
@@ -302,10 +323,10 @@ TUNED_FORWARD: dict[tuple[int, bool], ForwardConfig] = {
     (256, False): ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True),
     (256, True): ForwardConfig(block_q=64, block_kv=64, num_stages=2, overlap_softmax=True),
 }
-# Long sequences that prefer another forward config: (head_dim, is_causal) → (from this many
-# queries on, config), measured as above.
-TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[int, ForwardConfig]] = {
-    (64, False): (4096, ForwardConfig(block_q=64, block_kv=256, num_stages=3)),
+# Long sequences that prefer another forward config: (head_dim, is_causal) → steps (from this
+# many queries on, config), in ascending order, measured as above.
+TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[tuple[int, ForwardConfig], ...]] = {
+    (64, False): ((4096, ForwardConfig(block_q=64, block_kv=256, num_stages=3)),),
 }
 # overlap_softmax, from an interleaved A/B on the H200 (jax 0.11.2, 2026-11-30, fp16, B·T = 16k,
 # hidden 2048, CUPTI, `python3 scripts/ab_forward_overlap.py`), forward ms without → with
@@ -393,8 +414,8 @@ PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
     ("dkv", 256, True): 64, ("dkv", 256, False): 64, ("dq", 256, True): 256,
 }
 
-# Long sequences that prefer another backward config: (head_dim, is_causal) → (from this many
-# queries on, config). At D 128 causal the third stage pays at 1k and 4k but not at 16k: in
+# Long sequences that prefer another backward config: (head_dim, is_causal) → steps (from this
+# many queries on, config), in ascending order. At D 128 causal the third stage pays at 1k and 4k but not at 16k: in
 # one grid run on the H200 (2026-11-30, bf16, fwd+bwd TFLOP/s) 3 stages gave 308 / 421 / 457
 # at T = 1k / 4k / 16k and 2 stages 296 / 408 / 489
 # (bench/results/h200_backward.md, h200_d128_causal_2stages.md). 8k is not measured: the
@@ -405,20 +426,28 @@ PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
 #       --dtype bfloat16 --configs tuned 128,64,2 128,64,3
 # fwd+bwd ratio to cuDNN, (64, 64, 3) → (128, 64, 2): 1k 1.018 → 0.996, 4k 0.932 → 0.948,
 # 16k 0.896 → 0.955 ((128, 64, 3): 0.918, 0.938, 0.935); at 2k (2026-12-03, same setup,
-# bench/results/h200_d64_causal_2k_ab.log) 0.964 → 0.982, so from 2k on.
-TUNED_BACKWARD_LONG: dict[tuple[int, bool], tuple[int, BackwardConfig]] = {
-    (64, True): (2048, BackwardConfig(block_q=128, block_kv=64, num_stages=2)),
-    (128, True): (8192, BackwardConfig(block_q=64, block_kv=64, num_stages=2)),
+# bench/results/h200_d64_causal_2k_ab.log) 0.964 → 0.982, so from 2k on. From 4k on dQ takes
+# 64-row tiles beside them (`dq_block_q`; dK/dV keeps 128): dQ ms, 128 → 64 rows (2026-12-04,
+# same setup, `... --configs tuned 128,64,2,-,-,64` and the reverse, two calls;
+# bench/results/h200_dq_rows_ab.log, h200_dq_rows_causal_ab.log): bf16 4k 0.819 → 0.795, 16k
+# 3.136 → 2.940 and 3.113 → 2.945; fp16 4k 0.836 → 0.804, 16k 3.203 → 3.006 (fwd+bwd 0.8–2.6%
+# faster); at 2k 0.432 → 0.442 (bf16) and 0.436 → 0.446 (fp16), so not there. Without causal
+# it paid nowhere (bf16 4k 1.388 → 1.465, 8k 2.796 → 2.922, 16k 5.806 → 5.834; fp16 8k
+# 2.846 → 2.890, 16k 5.967 → 6.042; bench/results/h200_dq_block_q_ab.md has an earlier run).
+_D64_CAUSAL_LONG = BackwardConfig(block_q=128, block_kv=64, num_stages=2)
+TUNED_BACKWARD_LONG: dict[tuple[int, bool], tuple[tuple[int, BackwardConfig], ...]] = {
+    (64, True): ((2048, _D64_CAUSAL_LONG),
+                 (4096, dataclasses.replace(_D64_CAUSAL_LONG, dq_block_q=64))),
+    (128, True): ((8192, BackwardConfig(block_q=64, block_kv=64, num_stages=2)),),
 }
 
 
 def _tuned(table: dict, long_table: dict, head_dim: int, is_causal: bool, seq_len: int):
-  """The tuned entry for (head_dim, is_causal), or its long-sequence entry from that many
-  queries on; None where neither table has one."""
+  """The tuned entry for (head_dim, is_causal), or the last long-sequence step that
+  `seq_len` queries reach; None where neither table has one."""
   key = (head_dim, bool(is_causal))
-  if key in long_table and seq_len >= long_table[key][0]:
-    return long_table[key][1]
-  return table.get(key)
+  reached = [config for start, config in long_table.get(key, ()) if seq_len >= start]
+  return reached[-1] if reached else table.get(key)
 
 
 # Where the five-matmul backward (`BackwardConfig.fused_dq`) beat the deterministic kernels:

@@ -6,7 +6,8 @@ hidden 2048), interleaved over rounds, CUPTI device time:
   PYTHONPATH=.:scripts python3 scripts/ab_configs.py --backward --configs tuned 64,64,3 128,64,2
 A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `,o` for the
 forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
-for its dq_block_kv: `64,64,2,2,32`), or `,f` for
+for its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None:
+`128,64,2,-,-,64`), or `,f` for
 its fused_dq (the five-matmul backward; `fused` alone is the op's `deterministic=False`). Each config's
 output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
 config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the
@@ -33,10 +34,10 @@ def parse_config(text: str, backward: bool):
   if backward:
     fused = parts[-1] == "f"
     parts = parts[:-1] if fused else parts
+    optional = [None if x == "-" else int(x) for x in parts[3:]] + [None] * 3
     return fah.BackwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
-                              dq_num_stages=int(parts[3]) if parts[3:] else None,
-                              dq_block_kv=int(parts[4]) if parts[4:] else None,
-                              fused_dq=fused)
+                              dq_num_stages=optional[0], dq_block_kv=optional[1],
+                              dq_block_q=optional[2], fused_dq=fused)
   return fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                            overlap_softmax=parts[3:] == ["o"])
 

@@ -137,7 +137,7 @@ def test_every_tuned_config_fits(head_dim, is_causal, dtype, seq_len):
 
 
 def test_long_sequences_take_their_tuned_forward_config():
-  (start, long_cfg), = [v for k, v in config_lib.TUNED_FORWARD_LONG.items() if k == (64, False)]
+  (start, long_cfg), = config_lib.TUNED_FORWARD_LONG[(64, False)]
   short = config_lib.resolve_forward_config(64, jnp.float16, False, seq_len=start - 1)
   assert short == config_lib.TUNED_FORWARD[(64, False)] != long_cfg
   assert config_lib.resolve_forward_config(64, jnp.float16, False, seq_len=start) == long_cfg
@@ -224,6 +224,16 @@ def test_backward_config_errors_name_the_field(rng):
     fah.dot_product_attention(q, k, v, backward_config=fah.ForwardConfig(), interpret=True)
   with pytest.raises(ValueError, match="BackwardConfig.block_q"):
     fah.BackwardConfig(block_q=32)
+  for rows in (32, 0, True, 64.0):
+    with pytest.raises(ValueError, match="BackwardConfig.dq_block_q must be None or a posi"):
+      fah.BackwardConfig(dq_block_q=rows)
+  with pytest.raises(ValueError, match="dq_block_q sizes the dQ kernel, which fused_dq"):
+    fah.BackwardConfig(dq_block_q=64, fused_dq=True)
+  cfg = fah.BackwardConfig(block_q=128, dq_block_q=64)
+  assert (cfg.dq_rows, cfg.for_dq().block_q, cfg.for_dq().dq_block_q) == (64, 64, None)
+  # dQ's Q and dO tiles are its own rows': 64-row tiles fit where 128-row ones do not.
+  wide = fah.BackwardConfig(block_q=64, num_stages=4, dq_block_q=128)
+  assert wide.smem_bytes(128, 2) > fah.BackwardConfig(block_q=64, num_stages=4).smem_bytes(128, 2)
   big = fah.BackwardConfig(block_q=128, block_kv=128, num_stages=3)
   with pytest.raises(ValueError, match="shared memory at head_dim=128.*BackwardConfig"):
     fah.dot_product_attention(*_qkv(rng, d=128), backward_config=big, interpret=True)
@@ -231,7 +241,7 @@ def test_backward_config_errors_name_the_field(rng):
 
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 @pytest.mark.parametrize("is_causal", (False, True))
-@pytest.mark.parametrize("seq_len", (1024, 16384))
+@pytest.mark.parametrize("seq_len", (1024, 2048, 4096, 8192, 16384))
 @pytest.mark.parametrize("features", [{}, dict(segments=True), dict(bias_bytes=1),
                                       dict(segments=True, bias_bytes=1)], ids=str)
 def test_every_tuned_backward_config_fits(head_dim, is_causal, seq_len, features):
@@ -243,9 +253,15 @@ def test_every_tuned_backward_config_fits(head_dim, is_causal, seq_len, features
 
 @pytest.mark.parametrize("key", sorted(config_lib.TUNED_BACKWARD_LONG), ids=str)
 def test_long_sequences_take_their_own_backward_config(key):
+  """Each step of a long-sequence entry from its length on, up to the next step's."""
   head_dim, is_causal = key
-  length, long_cfg = config_lib.TUNED_BACKWARD_LONG[key]
+  steps = config_lib.TUNED_BACKWARD_LONG[key]
+  assert [length for length, _ in steps] == sorted({length for length, _ in steps})
   resolve = functools.partial(config_lib.resolve_backward_config, head_dim, jnp.bfloat16,
                               is_causal)
-  assert resolve(seq_len=length - 128) == config_lib.TUNED_BACKWARD[key] != long_cfg
-  assert resolve(seq_len=length) == long_cfg
+  before = config_lib.TUNED_BACKWARD[key]
+  for length, long_cfg in steps:
+    assert resolve(seq_len=length - 128) == before != long_cfg
+    assert resolve(seq_len=length) == resolve(seq_len=length + 128) == long_cfg
+    before = long_cfg
+  assert resolve(seq_len=1 << 20) == before

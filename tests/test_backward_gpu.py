@@ -72,6 +72,17 @@ def test_backward_is_deterministic(rng, d):
     assert bool(jnp.all(a == b))
 
 
+# dQ on its own query rows (`BackwardConfig.dq_block_q`): 64-row dQ tiles beside dK/dV's
+# 128-row query blocks at D 64, every pair, both dtypes, causal and not in turn.
+DQ_64_ROWS = fah.BackwardConfig(block_q=128, dq_block_q=64)
+
+
+@pytest.mark.parametrize("t, s, dtype, is_causal", [
+    (t, s, *COMBOS[i % len(COMBOS)]) for i, (t, s) in enumerate(SEQ_PAIRS)])
+def test_dq_rows_apart_from_dkv(rng, t, s, dtype, is_causal):
+  _check(rng, t, s, "gqa", 64, dtype, is_causal, backward_config=DQ_64_ROWS)
+
+
 # The five-matmul backward (`BackwardConfig.fused_dq`): every pair at D 64 and 128, its dQ
 # from TMA reduce-adds, which only the GPU runs.
 FUSED = fah.BackwardConfig(fused_dq=True)

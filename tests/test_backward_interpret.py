@@ -12,6 +12,7 @@ import pytest
 import flash_attn_hopper as fah
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
+from flash_attn_hopper.kernels import dq as dq_kernel
 
 pytestmark = pytest.mark.interpret
 
@@ -142,6 +143,41 @@ def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
   grads = _grads(q, k, v, dout, is_causal=True, backward_config=cfg)
   testing.check_gradients(grads, q, k, v, dout, is_causal=True)
+
+
+#: dQ on 64-row query tiles beside dK/dV's 128-row query blocks (`dq_block_q`).
+DQ_64_ROWS = fah.BackwardConfig(block_q=128, dq_block_q=64)
+
+
+@pytest.mark.parametrize("feature", ["causal", "key_lengths", "bias"])
+def test_dq_rows_apart_from_dkv(rng, monkeypatch, feature):
+  """The dQ kernel on its own query rows: the causal edge, key lengths, and a bias's table
+  and gradient dS, which the dQ kernel builds on its rows; T is not a multiple of either."""
+  w = workloads.Workload("gqa_200x150_d64", batch=2, seq_q=200, seq_kv=150, num_q_heads=4,
+                         num_kv_heads=2, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "bfloat16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  kw = {
+      "causal": dict(is_causal=True),
+      "key_lengths": dict(key_value_seq_lengths=jnp.array([100, 45], jnp.int32)),
+      "bias": dict(bias=jnp.asarray(rng.standard_normal((2, 1, 200, 150)), jnp.bfloat16)),
+  }[feature]
+  f = lambda q, k, v, *b: fah.dot_product_attention(q, k, v, *b, interpret=True,
+                                                    backward_config=DQ_64_ROWS, **kw)
+  seen = []  # The rows the dQ kernel was given: its own, not dK/dV's.
+  real_dq = dq_kernel.dq
+  def spy(*args, **kwargs):
+    seen.append(args[6].config.block_q)
+    return real_dq(*args, **kwargs)
+  monkeypatch.setattr(dq_kernel, "dq", spy)
+  if feature == "bias":
+    bias = kw.pop("bias")
+    _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, b), q, k, v, bias)
+    testing.check_gradients(vjp(dout), q, k, v, dout, bias=bias, **kw)
+  else:
+    _, vjp = jax.vjp(f, q, k, v)
+    testing.check_gradients(vjp(dout), q, k, v, dout, **kw)
+  assert seen == [DQ_64_ROWS.dq_block_q]
 
 
 #: D 256's dQ with 32-key blocks (its tuned config): two ring stages in the shared memory of

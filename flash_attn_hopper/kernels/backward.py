@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -46,7 +48,8 @@ def attention_backward(q, k, v, out, lse, dout, opts: common.BackwardOptions, kv
                             dq_acc=acc)
     dq = fused_dq.finalize(acc[...], seq_q=q.shape[1], scale=opts.scale, dtype=q.dtype)
     return dq, dk, dv, None
-  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, opts, kv_lens, segment_ids, bias)
+  dq_opts = dataclasses.replace(opts, config=opts.config.for_dq())  # its own query rows
+  dq = dq_kernel.dq(q, k, v, dout, lse_log2, delta, dq_opts, kv_lens, segment_ids, bias)
   dq, ds = dq if opts.bias_grad else (dq, None)
   # dK/dV after dQ, never beside it: on the GPU the two launch in order on one stream anyway,
   # and the CPU interpreter deadlocks when XLA runs two interpreted kernels at once.
