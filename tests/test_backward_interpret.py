@@ -149,27 +149,23 @@ def test_other_backward_blocks_give_the_same_gradients(rng, cfg):
 DQ_64_ROWS = fah.BackwardConfig(block_q=128, dq_block_q=64)
 
 
-@pytest.mark.parametrize("feature", ["causal", "key_lengths", "bias"])
-def test_dq_rows_apart_from_dkv(rng, monkeypatch, feature):
-  """The dQ kernel on its own query rows: the causal edge, key lengths, and a bias's table
-  and gradient dS, which the dQ kernel builds on its rows; T is not a multiple of either."""
-  w = workloads.Workload("gqa_200x150_d64", batch=2, seq_q=200, seq_kv=150, num_q_heads=4,
-                         num_kv_heads=2, head_dim=64)
+def _check_dq_mask_path(rng, w: workloads.Workload, cfg, feature: str):
+  """Gradients of `w` (two batch elements) under `cfg` with one of the dQ kernel's mask
+  paths: the causal edge, key lengths, the keys' segment ids (T ≤ S), or a bias's ring and
+  its gradient dS."""
   q, k, v = testing.random_qkv(rng, w, "bfloat16")
   dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+  t, s = w.seq_q, w.seq_kv
   kw = {
-      "causal": dict(is_causal=True),
-      "key_lengths": dict(key_value_seq_lengths=jnp.array([100, 45], jnp.int32)),
-      "bias": dict(bias=jnp.asarray(rng.standard_normal((2, 1, 200, 150)), jnp.bfloat16)),
-  }[feature]
+      "causal": lambda: dict(is_causal=True),
+      "key_lengths": lambda: dict(key_value_seq_lengths=jnp.array([100, 45], jnp.int32)),
+      # Documents of random lengths; the queries' ids are the keys' first T.
+      "segments": lambda: dict(segment_ids=(lambda ids: (ids[:, :t], ids))(jnp.asarray(
+          rng.integers(0, 3, (2, s)).cumsum(1) // 40, jnp.int32))),
+      "bias": lambda: dict(bias=jnp.asarray(rng.standard_normal((2, 1, t, s)), jnp.bfloat16)),
+  }[feature]()
   f = lambda q, k, v, *b: fah.dot_product_attention(q, k, v, *b, interpret=True,
-                                                    backward_config=DQ_64_ROWS, **kw)
-  seen = []  # The rows the dQ kernel was given: its own, not dK/dV's.
-  real_dq = dq_kernel.dq
-  def spy(*args, **kwargs):
-    seen.append(args[6].config.block_q)
-    return real_dq(*args, **kwargs)
-  monkeypatch.setattr(dq_kernel, "dq", spy)
+                                                    backward_config=cfg, **kw)
   if feature == "bias":
     bias = kw.pop("bias")
     _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, b), q, k, v, bias)
@@ -177,6 +173,21 @@ def test_dq_rows_apart_from_dkv(rng, monkeypatch, feature):
   else:
     _, vjp = jax.vjp(f, q, k, v)
     testing.check_gradients(vjp(dout), q, k, v, dout, **kw)
+
+
+@pytest.mark.parametrize("feature", ["causal", "key_lengths", "bias"])
+def test_dq_rows_apart_from_dkv(rng, monkeypatch, feature):
+  """The dQ kernel on its own query rows, with the mask paths whose tables it builds on
+  them; T is a multiple of neither kernel's rows."""
+  seen = []  # The rows the dQ kernel was given: its own, not dK/dV's.
+  real_dq = dq_kernel.dq
+  def spy(*args, **kwargs):
+    seen.append(args[6].config.block_q)
+    return real_dq(*args, **kwargs)
+  monkeypatch.setattr(dq_kernel, "dq", spy)
+  w = workloads.Workload("gqa_200x150_d64", batch=2, seq_q=200, seq_kv=150, num_q_heads=4,
+                         num_kv_heads=2, head_dim=64)
+  _check_dq_mask_path(rng, w, DQ_64_ROWS, feature)
   assert seen == [DQ_64_ROWS.dq_block_q]
 
 
@@ -187,30 +198,11 @@ DQ_32_KEYS = fah.BackwardConfig(dq_block_kv=32)
 
 @pytest.mark.parametrize("feature", ["causal", "key_lengths", "segments", "bias"])
 def test_head_dim_256_dq_with_32_key_blocks(rng, feature):
-  """Every mask path of the dQ kernel (the causal edge, key lengths, the keys' segment ids,
-  a bias's ring and its gradient dS) on 32-key blocks, where the band's edges and the key
+  """Every mask path of the dQ kernel on 32-key blocks, where the band's edges and the key
   lengths fall inside a 64-key block of the dK/dV kernel; sizes are not multiples of 32."""
   w = workloads.Workload("gqa_70x150_d256", batch=2, seq_q=70, seq_kv=150, num_q_heads=4,
                          num_kv_heads=2, head_dim=256)
-  q, k, v = testing.random_qkv(rng, w, "bfloat16")
-  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
-  kw = {
-      "causal": dict(is_causal=True),
-      "key_lengths": dict(key_value_seq_lengths=jnp.array([100, 45], jnp.int32)),
-      # Documents of random lengths; the queries' ids are the keys' first 70.
-      "segments": dict(segment_ids=(lambda ids: (ids[:, :70], ids))(jnp.asarray(
-          rng.integers(0, 3, (2, 150)).cumsum(1) // 40, jnp.int32))),
-      "bias": dict(bias=jnp.asarray(rng.standard_normal((2, 1, 70, 150)), jnp.bfloat16)),
-  }[feature]
-  f = lambda q, k, v, *b: fah.dot_product_attention(q, k, v, *b, interpret=True,
-                                                    backward_config=DQ_32_KEYS, **kw)
-  if feature == "bias":
-    bias = kw.pop("bias")
-    _, vjp = jax.vjp(lambda q, k, v, b: f(q, k, v, b), q, k, v, bias)
-    testing.check_gradients(vjp(dout), q, k, v, dout, bias=bias, **kw)
-  else:
-    _, vjp = jax.vjp(f, q, k, v)
-    testing.check_gradients(vjp(dout), q, k, v, dout, **kw)
+  _check_dq_mask_path(rng, w, DQ_32_KEYS, feature)
 
 
 @pytest.mark.parametrize("head_dim", (64, 256))

@@ -336,3 +336,22 @@ def test_segment_ids_match_jax_nn_with_the_equivalent_mask(rng, heads, feature):
       q, k, v, implementation="xla", return_residual=True, **kwargs)
   np.testing.assert_allclose(out, expected_out, **F32_TOL)
   np.testing.assert_allclose(lse, expected_lse, **F32_TOL)
+
+
+def test_the_tolerance_rule_fails_what_it_should():
+  """`testing.assert_close_to_reference`: twice the naive error plus about one ulp of the
+  largest value passes; a wrong element, a NaN (an unwritten tile) or a shape does not."""
+  from flash_attn_hopper import testing
+  ref = np.linspace(-8.7, 8.7, 64, dtype=np.float32).reshape(8, 8)
+  naive = jnp.asarray(ref, jnp.bfloat16)  # One rounding: within half an ulp.
+  ulp_at_8 = 2.0 ** -4  # bf16 at [8, 16)
+  off_by_one_ulp = np.array(naive, np.float32)
+  off_by_one_ulp[-1, -1] -= ulp_at_8  # 8.7 → 8.625: past an absolute 1e-2 on top
+  testing.assert_close_to_reference(jnp.asarray(off_by_one_ulp, jnp.bfloat16), ref, naive)
+  wrong, unwritten = (np.array(naive, np.float32) for _ in range(2))
+  wrong[3, 4] += 0.25
+  unwritten[:4] = np.nan
+  for bad, match in ((wrong, "max abs error"), (unwritten, "non-finite"),
+                     (np.array(naive, np.float32)[:4], "shape")):
+    with pytest.raises(AssertionError, match=match):
+      testing.assert_close_to_reference(jnp.asarray(bad, jnp.bfloat16), ref, naive)
