@@ -352,9 +352,9 @@ TUNED_FORWARD_LONG: dict[tuple[int, bool], tuple[tuple[int, ForwardConfig], ...]
 # runs at half speed; block_q 128 pays only at D 64 without causal (at D 128, (128, 64, 2)
 # ran at 0.52–0.60× cuDNN against the entry's 0.88–0.96×: 2026-12-04, bf16, 4k and 16k,
 # causal and not, `scripts/ab_configs.py`, bench/results/h200_dkv_d128_block_q128_ab.log).
-# dQ alone on 64-row tiles beside dK/dV's 128 (D 64, not causal) would save 4-6% of dQ at
-# 16k, about 1.4% of fwd+bwd, and nothing at 4k; at D 128, 128-row tiles halve both kernels'
-# speed (2026-12-04, bench/results/h200_dq_block_q_ab.md): no separate dQ block_q.
+# dQ alone on 64-row tiles beside dK/dV's 128 (`dq_block_q`) pays at D 64 under causal from
+# 4k (`TUNED_BACKWARD_LONG`), not without causal; at D 128, 128-row tiles halve both
+# kernels' speed (2026-12-04, bench/results/h200_dq_block_q_ab.md).
 # D 256: the split dK/dV kernel takes block_kv 64, and dQ's ring two stages of 32 keys
 # (`dq_block_kv`) in the shared memory of the one 64-key stage it had: measured on the H200
 # (jax 0.11.2, 2026-12-03, B·T = 16k, hidden 2048, CUPTI, gradients checked against cuDNN's;
@@ -415,9 +415,9 @@ PERSISTENT_BACKWARD_MAX_STEPS: dict[tuple[str, int, bool], int] = {
 }
 
 # Long sequences that prefer another backward config: (head_dim, is_causal) → steps (from this
-# many queries on, config), in ascending order. At D 128 causal the third stage pays at 1k and 4k but not at 16k: in
-# one grid run on the H200 (2026-11-30, bf16, fwd+bwd TFLOP/s) 3 stages gave 308 / 421 / 457
-# at T = 1k / 4k / 16k and 2 stages 296 / 408 / 489
+# many queries on, config), in ascending order. At D 128 causal the third stage pays at 1k
+# and 4k but not at 16k: in one grid run on the H200 (2026-11-30, bf16, fwd+bwd TFLOP/s) 3
+# stages gave 308 / 421 / 457 at T = 1k / 4k / 16k and 2 stages 296 / 408 / 489
 # (bench/results/h200_backward.md, h200_d128_causal_2stages.md). 8k is not measured: the
 # crossover lies between 4k and 16k. At D 64 causal, 128-row query tiles pay from 2k on
 # (H200, jax 0.11.2, 2026-12-03, bf16, B·T = 16k, hidden 2048, interleaved with cuDNN, CUPTI;

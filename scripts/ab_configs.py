@@ -7,11 +7,11 @@ hidden 2048), interleaved over rounds, CUPTI device time:
 A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `,o` for the
 forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
 for its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None:
-`128,64,2,-,-,64`), or `,f` for
-its fused_dq (the five-matmul backward; `fused` alone is the op's `deterministic=False`). Each config's
-output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
-config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the
-dQ and dK/dV kernels' ms in that round)."""
+`128,64,2,-,-,64`), or `,f` for its fused_dq (the five-matmul backward; `fused` alone is
+the op's `deterministic=False`). Each config's output (gradients) is checked against
+cuDNN's before it is timed; the line per cell gives each config's best-of-rounds median
+time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ and dK/dV kernels' ms in that
+round)."""
 import argparse
 import functools
 
