@@ -81,6 +81,16 @@ def _validate_optional_stages(cfg, field: str) -> None:
                      f"{stages!r}")
 
 
+def _validate_optional_multiple(cfg, field: str, multiple: int) -> None:
+  """Checks a block size that may be None (then the config's own) or a positive multiple
+  of `multiple`."""
+  value = getattr(cfg, field)
+  if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                            or value <= 0 or value % multiple):
+    raise ValueError(f"{type(cfg).__name__}.{field} must be None or a positive multiple of "
+                     f"{multiple}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
   """Tile shape of the forward kernel.
@@ -191,19 +201,11 @@ class BackwardConfig:
   def __post_init__(self):
     _validate_tiles(self)
     _validate_optional_stages(self, "dq_num_stages")
-    keys = self.dq_block_kv
-    if keys is not None and (not isinstance(keys, (int, np.integer)) or isinstance(keys, bool)
-                             or keys <= 0 or keys % DQ_BLOCK_KV_MULTIPLE):
-      raise ValueError(f"BackwardConfig.dq_block_kv must be None or a positive multiple of "
-                       f"{DQ_BLOCK_KV_MULTIPLE}, got {keys!r}")
+    _validate_optional_multiple(self, "dq_block_kv", DQ_BLOCK_KV_MULTIPLE)
+    _validate_optional_multiple(self, "dq_block_q", hardware.WGMMA_ROWS)
     if not isinstance(self.fused_dq, (bool, np.bool_)):
       raise TypeError(f"BackwardConfig.fused_dq must be a bool, got {self.fused_dq!r}")
-    rows = self.dq_block_q
-    if rows is not None and (not isinstance(rows, (int, np.integer)) or isinstance(rows, bool)
-                             or rows <= 0 or rows % hardware.WGMMA_ROWS):
-      raise ValueError(f"BackwardConfig.dq_block_q must be None or a positive multiple of "
-                       f"{hardware.WGMMA_ROWS}, got {rows!r}")
-    if rows is not None and self.fused_dq:
+    if self.dq_block_q is not None and self.fused_dq:
       raise ValueError("BackwardConfig.dq_block_q sizes the dQ kernel, which fused_dq=True "
                        "does without; leave dq_block_q None")
 
