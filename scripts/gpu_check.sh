@@ -15,6 +15,10 @@
 # `fwdbwd`, after backward work: the backward and masks GPU tests (53, ~300 s), then the
 # fwd+bwd grid against cuDNN in FAH_DTYPES (default bfloat16; ~250 s each, so a grid may take
 # a second call with FAH_RESUME and FAH_SKIP_PASSED).
+# FAH_PEERS names the peers of both grids (default cudnn,mgpu,tokamax: each one that does not
+# import is listed as unavailable and skipped). Wheels in .whl/ (`scripts/peer_wheels.sh`, carried
+# with the call) are installed into a temporary folder on PYTHONPATH first: that is how tokamax
+# gets onto the GPU machine, which reaches no registry.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 part="${1:-all}"
@@ -23,6 +27,12 @@ case "$part" in all|tests|bench|fwdbwd|backward|masks|ring) ;;
   *) echo "usage: $0 [all|tests|bench|fwdbwd|backward|masks|ring] [OUT_DIR]" >&2; exit 2 ;; esac
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    .whl/*.whl && export PYTHONPATH="$PYTHONPATH:$site"
+fi
+peers="${FAH_PEERS:-cudnn,mgpu,tokamax}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 tests=0 bench=0
 
@@ -61,7 +71,7 @@ fi
 if [[ $part == fwdbwd ]]; then
   dtypes="${FAH_DTYPES:-bfloat16}"
   python3 -m bench --passes fwdbwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \
-    --causal both --dtypes "$dtypes" --peers cudnn --repeats 5 \
+    --causal both --dtypes "$dtypes" --peers "$peers" --repeats 5 \
     --time-budget "${FAH_BENCH_SECONDS:-250}" --no-progress --out "$out" \
     --tag "h200_fwdbwd_$(sed 's/bfloat16/bf16/g; s/float16/fp16/g; s/,/_/g' <<< "$dtypes")" \
     ${FAH_RESUME:+--resume "$FAH_RESUME"} \
@@ -69,7 +79,7 @@ if [[ $part == fwdbwd ]]; then
   bench=${PIPESTATUS[0]}
 elif [[ $part != tests ]]; then
   python3 -m bench --passes fwd --seq-lens 1024,4096,16384 --head-dims 64,128,256 \
-    --causal both --dtypes float16,bfloat16 --peers cudnn,mgpu --repeats 10 \
+    --causal both --dtypes float16,bfloat16 --peers "$peers" --repeats 10 \
     --time-budget "${FAH_BENCH_SECONDS:-265}" --no-progress --out "$out" --tag h200_forward \
     ${FAH_RESUME:+--resume "$FAH_RESUME"} 2>&1 | tee "$out/bench.log" | tail -n 60
   bench=${PIPESTATUS[0]}
