@@ -293,6 +293,28 @@ def _segments_as_mask(ids: masking.SegmentIds, mask, squeeze: bool):
   return same if mask is None else jnp.logical_and(mask, same)
 
 
+def _without_kernel(query, key, value, *, bias, mask, spec, segments, soft_cap, is_causal,
+                    local_window_size, causal_alignment, implementation, **kwargs):
+  """The op through `jax.nn.dot_product_attention` ('xla', 'cudnn', or the fallback off
+  Hopper), with what jax.nn lacks (bottom-right bands, segment ids) given to it as a mask.
+  `kwargs`: scale, the sequence lengths and return_residual, passed on as they are."""
+  if soft_cap is not None:
+    return _soft_capped_without_kernel(
+        query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+        local_window_size=local_window_size, causal_alignment=causal_alignment,
+        segment_ids=segments, logits_soft_cap=soft_cap, implementation=implementation,
+        **kwargs)
+  t, s = query.shape[-3], key.shape[-3]
+  if spec.offset and spec.banded:
+    mask = _band_as_mask(spec, t, s, mask)
+    is_causal, local_window_size = False, None
+  if segments is not None:
+    mask = _segments_as_mask(segments, mask, query.ndim == 3)
+  return jax.nn.dot_product_attention(
+      query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+      local_window_size=local_window_size, implementation=implementation or "xla", **kwargs)
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
@@ -386,20 +408,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if not use_kernel:
     if implementation is None:
       _warn_fallback_once()
-    if soft_cap is not None:
-      return _soft_capped_without_kernel(
-          query, key, value, **masks, **lengths, scale=scale, is_causal=is_causal,
-          local_window_size=local_window_size, causal_alignment=causal_alignment,
-          segment_ids=segments, logits_soft_cap=soft_cap, implementation=implementation,
-          return_residual=return_residual)
-    if spec.offset and spec.banded:
-      masks["mask"] = _band_as_mask(spec, t, s, masks["mask"])
-      is_causal, local_window_size = False, None
-    if segments is not None:
-      masks["mask"] = _segments_as_mask(segments, masks["mask"], query.ndim == 3)
-    return jax.nn.dot_product_attention(
+    return _without_kernel(
         query, key, value, **masks, **lengths, scale=scale, is_causal=is_causal,
-        local_window_size=local_window_size, implementation=implementation or "xla",
+        local_window_size=local_window_size, causal_alignment=causal_alignment, spec=spec,
+        segments=segments, soft_cap=soft_cap, implementation=implementation,
         return_residual=return_residual)
   if not interpret and not on_hopper():
     raise RuntimeError(
