@@ -30,6 +30,28 @@ from flash_attn_hopper import softmax
 BLOCK_KV = 256
 
 
+def _segment_blocks(segment_ids: masking.SegmentIds | None, num_blocks: int, block_kv: int):
+  """(q ids broadcast against (B, K, G, T, block) logits, kv ids (blocks, B, block)), or Nones.
+  The kv ids are edge-padded to whole blocks (the padded keys are masked by the key limit)."""
+  if segment_ids is None:
+    return None, None
+  b, s = segment_ids.kv.shape
+  kv_ids = jnp.pad(segment_ids.kv, ((0, 0), (0, num_blocks * block_kv - s)), mode="edge")
+  kv_ids = jnp.moveaxis(kv_ids.reshape(b, num_blocks, block_kv), 1, 0)
+  return segment_ids.q[:, None, None, :, None], kv_ids
+
+
+def _bias_blocks(bias, kv_heads: int, group: int, num_blocks: int, block_kv: int):
+  """A (B|1, N|1, T, S) bias as (blocks, B|1, K|1, G|1, T, block), like the logits, or None."""
+  if bias is None:
+    return None
+  bb, nb, t, s = bias.shape
+  heads = (kv_heads, group) if nb > 1 else (1, 1)
+  blocks = jnp.pad(bias, ((0, 0), (0, 0), (0, 0), (0, num_blocks * block_kv - s))).reshape(
+      bb, *heads, t, num_blocks, block_kv)
+  return jnp.moveaxis(blocks, 4, 0)
+
+
 def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.MaskSpec,
                        seq_kv: int | None = None, kv_lens=None,
                        segment_ids: masking.SegmentIds | None = None,
@@ -78,20 +100,8 @@ def attention_backward(q, k, v, out, lse, dout, *, scale: float, mask: masking.M
                                                                        None]
   rows = lax.broadcasted_iota(jnp.int32, (t, block_kv), 0)
   cols = lax.broadcasted_iota(jnp.int32, (t, block_kv), 1)
-  kv_ids = q_ids = None
-  if segment_ids is not None:
-    # Edge-padded to whole blocks (the padded keys are masked by `limit`): (blocks, B, block).
-    kv_ids = jnp.pad(segment_ids.kv, ((0, 0), (0, pad)), mode="edge")
-    kv_ids = jnp.moveaxis(kv_ids.reshape(b, num_blocks, block_kv), 1, 0)
-    q_ids = segment_ids.q[:, None, None, :, None]
-
-  bias_blocks = None
-  if bias is not None:  # (blocks, B|1, K|1, G|1, T, block), like the logits
-    bb, nb = bias.shape[:2]
-    heads = (kv_heads, group) if nb > 1 else (1, 1)
-    bias_blocks = jnp.pad(bias, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(
-        bb, *heads, t, num_blocks, block_kv)
-    bias_blocks = jnp.moveaxis(bias_blocks, 4, 0)
+  q_ids, kv_ids = _segment_blocks(segment_ids, num_blocks, block_kv)
+  bias_blocks = _bias_blocks(bias, kv_heads, group, num_blocks, block_kv)
 
   def step(dq, xs):
     j, kj, vj, ids_j, bias_j = xs
