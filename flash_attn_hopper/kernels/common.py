@@ -444,6 +444,13 @@ def specialize(compute: Callable, produce: Callable) -> None:
   pl.when(wg == pipeline.PRODUCER_WARPGROUP)(produce)
 
 
+#: Shared memory Pallas sets aside for reductions that cross warps (its default is 2 KiB). The
+#: kernels reduce only along the rows of the WGMMA layout, within each warp's lanes, which
+#: needs none, so they ask for none and the 2 KiB go to tiles. A reduction that did cross warps
+#: would fail to lower ("scratch must be provided"), in CI's tests/test_lowering.py.
+REDUCTION_SCRATCH_BYTES = 0
+
+
 def launch(body, *args, out_type, grid, grid_names, name: str, interpret: bool):
   """Runs a warp-specialized kernel (compute warpgroups + producer) on `args`.
 
@@ -453,7 +460,9 @@ def launch(body, *args, out_type, grid, grid_names, name: str, interpret: bool):
   kernel = plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=pipeline.NUM_WARPGROUPS, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name=name)
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES),
+      kernel_name=name)
   mode = (plgpu.force_gpu_interpret_mode(pipeline.INTERPRET_PARAMS) if interpret
           else contextlib.nullcontext())
   with mode, layouts.explain_accumulator_errors():
