@@ -242,3 +242,45 @@ def test_dkv_issues_dv_before_ds_from_its_head_dim(monkeypatch):
       assert counts == [(3, 0), (2, 1)], counts
     else:
       assert counts[0] == counts[1] and counts[0][1] > 0, counts
+
+
+def _kernel_smem(monkeypatch, d: int, grad: bool, **kw) -> dict[str, int]:
+  """The shared memory (bytes) that Mosaic GPU allocates for each kernel of the op's program
+  (or of its gradient's), by kernel name."""
+  import jax.experimental.mosaic.gpu.core as mosaic_core  # pylint: disable=g-import-not-at-top
+  sizes = {}
+  lower_kernel = mosaic_core._lower_as_gpu_kernel  # pylint: disable=protected-access
+
+  def capture(*args, **kwargs):
+    name = kwargs["kernel_name"].removeprefix("flash_attn_hopper_")
+    sizes[name] = mosaic_core._smem_tree_size(kwargs["smem_scratch_shape"])  # pylint: disable=protected-access
+    return lower_kernel(*args, **kwargs)
+
+  monkeypatch.setattr(mosaic_core, "_lower_as_gpu_kernel", capture)
+  _lower(d, grad, **kw)
+  return sizes
+
+
+#: What Mosaic GPU allocates past the configs' estimates: the barriers and each buffer's padding
+#: to its 1 KiB alignment, 600–1,200 bytes in the race grid's configs (2026-12-05). Pallas's
+#: default reduction scratch would add 2 KiB to the forward (`common.REDUCTION_SCRATCH_BYTES`).
+_MOSAIC_SMEM_SLACK = 2048
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_shared_memory_estimates_match_the_kernels(monkeypatch, d, causal):
+  """The configs' shared-memory estimates (which pick the tiles and whether O gets its own)
+  count what the kernels allocate, short only of Mosaic's barriers and alignment, so that the
+  budget's reserve (`config.SMEM_RESERVED_BYTES`) is what keeps the kernels inside 227 KiB."""
+  t, dtype = 4096, jnp.bfloat16
+  sizes = _kernel_smem(monkeypatch, d, True, is_causal=causal, t=t, s=t, dtype=dtype)
+  fwd = config_lib.resolve_forward_config(d, dtype, causal, seq_len=t)
+  bwd = config_lib.resolve_backward_config(d, dtype, causal, seq_len=t)
+  estimates = {"fwd": fwd.smem_bytes(d, 2, separate_o=fwd.fits(d, 2, separate_o=True)),
+               "bwd": bwd.smem_bytes(d, 2)}  # The larger of dQ's and dK/dV's.
+  actual = {"fwd": sizes.pop("fwd"), "bwd": max(sizes.values())}
+  for name, need in actual.items():
+    assert 0 <= need - estimates[name] < _MOSAIC_SMEM_SLACK, (name, need, estimates[name])
+    assert estimates[name] <= config_lib.SMEM_BUDGET, (name, estimates[name])
