@@ -16,8 +16,11 @@ REGISTERS_PER_SM = 64 * 1024
 #: Dynamic shared memory one CTA may use on sm90 (227 KiB, the opt-in maximum).
 SMEM_BYTES_PER_CTA = 227 * 1024
 
-#: Shared memory the Mosaic GPU runtime keeps for itself (barriers, cross-warp reduction
-#: scratch); the config's estimate leaves this much free.
+#: Shared memory the configs' estimates leave free for what Mosaic GPU adds to the tiles. Its
+#: barriers and alignment take 600–1,200 bytes since the kernels ask for no reduction scratch
+#: (`kernels.common.REDUCTION_SCRATCH_BYTES`; tests/test_lowering.py checks it); the rest is
+#: headroom that the tuned tables were measured under (a tighter budget would admit, e.g.,
+#: O's own tiles beside D 64's three-stage ring: `scripts/ab_configs.py`'s `,x`).
 SMEM_RESERVED_BYTES = 8 * 1024
 
 #: Bytes per swizzle row of the 128-byte TMA/wgmma swizzle, the widest one: it makes every
