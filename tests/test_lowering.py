@@ -10,6 +10,8 @@ numerics; those are the GPU tests' (`*_gpu.py`).
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -244,21 +246,11 @@ def test_dkv_issues_dv_before_ds_from_its_head_dim(monkeypatch):
       assert counts[0] == counts[1] and counts[0][1] > 0, counts
 
 
-def _kernel_smem(monkeypatch, d: int, grad: bool, **kw) -> dict[str, int]:
-  """The shared memory (bytes) that Mosaic GPU allocates for each kernel of the op's program
-  (or of its gradient's), by kernel name."""
-  import jax.experimental.mosaic.gpu.core as mosaic_core  # pylint: disable=g-import-not-at-top
-  sizes = {}
-  lower_kernel = mosaic_core._lower_as_gpu_kernel  # pylint: disable=protected-access
-
-  def capture(*args, **kwargs):
-    name = kwargs["kernel_name"].removeprefix("flash_attn_hopper_")
-    sizes[name] = mosaic_core._smem_tree_size(kwargs["smem_scratch_shape"])  # pylint: disable=protected-access
-    return lower_kernel(*args, **kwargs)
-
-  monkeypatch.setattr(mosaic_core, "_lower_as_gpu_kernel", capture)
-  _lower(d, grad, **kw)
-  return sizes
+def _kernel_smem(monkeypatch, d: int, **kw) -> dict[str, int]:
+  """The shared memory (bytes) that each kernel of the op's gradient program launches with,
+  by kernel name (read off the modules of `_kernel_modules`)."""
+  return {name: int(re.search(r"dynamic_shared_memory_size %c(\d+)_i32", text).group(1))
+          for name, text in _kernel_modules(monkeypatch, d, **kw).items()}
 
 
 #: What Mosaic GPU allocates past the configs' estimates: the barriers and each buffer's padding
@@ -275,11 +267,13 @@ def test_shared_memory_estimates_match_the_kernels(monkeypatch, d, causal):
   count what the kernels allocate, short only of Mosaic's barriers and alignment, so that the
   budget's reserve (`config.SMEM_RESERVED_BYTES`) is what keeps the kernels inside 227 KiB."""
   t, dtype = 4096, jnp.bfloat16
-  sizes = _kernel_smem(monkeypatch, d, True, is_causal=causal, t=t, s=t, dtype=dtype)
+  sizes = _kernel_smem(monkeypatch, d, is_causal=causal, t=t, s=t, dtype=dtype)
+  itemsize = jnp.dtype(dtype).itemsize
   fwd = config_lib.resolve_forward_config(d, dtype, causal, seq_len=t)
   bwd = config_lib.resolve_backward_config(d, dtype, causal, seq_len=t)
-  estimates = {"fwd": fwd.smem_bytes(d, 2, separate_o=fwd.fits(d, 2, separate_o=True)),
-               "bwd": bwd.smem_bytes(d, 2)}  # The larger of dQ's and dK/dV's.
+  estimates = {"fwd": fwd.smem_bytes(d, itemsize,
+                                     separate_o=fwd.fits(d, itemsize, separate_o=True)),
+               "bwd": bwd.smem_bytes(d, itemsize)}  # The larger of dQ's and dK/dV's.
   actual = {"fwd": sizes.pop("fwd"), "bwd": max(sizes.values())}
   for name, need in actual.items():
     assert 0 <= need - estimates[name] < _MOSAIC_SMEM_SLACK, (name, need, estimates[name])
