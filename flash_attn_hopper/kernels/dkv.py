@@ -231,22 +231,12 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
   ids_s = extra.pop(0) if opts.segments else None
   bias_s = extra.pop(0) if opts.bias else None
   pipeline.wait_ready(streams, slot)
-
+  bias_t = _bias_rows(bias_s, slot, wg, refs, opts, masked)
   shared = shares_step_barriers(dims.head_dim)
 
   def loaded(stream):  # Its slot, read with loads, is free (shared: once, at the end).
     if not shared:
       pipeline.free_after_loads(stream.consumed.at[slot])
-  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
-  staging = None if refs.staging is None else refs.staging.at[wg]
-
-  bias_t = None
-  if bias_s is not None:  # This warpgroup's keys' rows of the transposed bias tile, if any.
-    if masked:
-      bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
-      pipeline.free_after_loads(bias_s.consumed.at[slot])
-    else:
-      plgpu.barrier_arrive(bias_s.consumed.at[slot])
 
   def probabilities(st):  # Under dPᵀ, when the two are issued together.
     st, cap_grad = opts.logits.transform(st, bias_t)
@@ -270,6 +260,37 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
     loaded(delta_s)
     return softmax.logits_grad(pt, dpt, delta, query_axis=1, cap_grad=cap_grad)
 
+  dk, dv = _matmuls(dk, dv, probabilities, logits_grad, step=step, wg=wg, tile=tile,
+                    slot=slot, refs=refs, dims=dims, opts=opts)
+  if shared:  # After the LSE's and δ's loads, and dK's and dV's matmuls.
+    pipeline.free_after_loads(q_s.consumed.at[slot])
+  else:
+    plgpu.barrier_arrive(do_s.consumed.at[slot])
+    plgpu.barrier_arrive(q_s.consumed.at[slot])
+  return dk, dv
+
+
+def _bias_rows(bias_s, slot, wg, refs: _Refs, opts, masked: bool):
+  """This warpgroup's keys' rows of the transposed bias tile, when the producer streamed one
+  (`masked`), else None; either way the bias slot is handed back."""
+  if bias_s is None:
+    return None
+  if not masked:
+    plgpu.barrier_arrive(bias_s.consumed.at[slot])
+    return None
+  bias_t = common.bias_values(refs.bias_ring.at[slot, wg][...], opts)
+  pipeline.free_after_loads(bias_s.consumed.at[slot])
+  return bias_t
+
+
+def _matmuls(dk, dv, probabilities, logits_grad, *, step, wg, tile, slot, refs: _Refs, dims,
+             opts):
+  """Sᵀ and dPᵀ, then dV += Pᵀ dO and dK += dSᵀ Q, in the order that pays at this head dim:
+  dV before dSᵀ from D 128 (`DV_BEFORE_DS_MIN_HEAD_DIM`), Sᵀ and dPᵀ overlapped up to D 64,
+  and dQ's part between dV and dK on the five-matmul path (`_fused_step`)."""
+  cfg = opts.config
+  k_smem, v_smem = refs.k_smem.at[wg], refs.v_smem.at[wg]
+  staging = None if refs.staging is None else refs.staging.at[wg]
   shape = (cfg.block_kv, cfg.block_q)
   q_slot, do_slot = refs.q_ring.at[slot], refs.do_ring.at[slot]
   products = ((k_smem, q_slot.T, shape), (v_smem, do_slot.T, shape))  # Sᵀ, dPᵀ
@@ -295,11 +316,6 @@ def _q_step(step, carry, *, wg, tile, k_ids, ring0, refs: _Refs, streams, dims, 
       dk, dv = _fused_step(dk, dv, pt.astype(dims.dtype), dst, step=step, wg=wg, tile=tile,
                            refs=refs, q_slot=q_slot, do_slot=do_slot, staging=staging,
                            dims=dims, opts=opts)
-  if shared:  # After the LSE's and δ's loads, and dK's and dV's matmuls.
-    pipeline.free_after_loads(q_s.consumed.at[slot])
-  else:
-    plgpu.barrier_arrive(do_s.consumed.at[slot])
-    plgpu.barrier_arrive(q_s.consumed.at[slot])
   return dk, dv
 
 
