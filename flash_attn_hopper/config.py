@@ -149,9 +149,15 @@ class ForwardConfig:
 
   def fits(self, head_dim: int, itemsize: int, separate_o: bool = False,
            segments: bool = False, bias_bytes: int = 0) -> bool:
-    """Whether the tiles fit the shared-memory budget. The kernel gives O its own tiles
-    (so the next Q loads under the epilogue) only when they fit too."""
+    """Whether the tiles fit the shared-memory budget."""
     return self.smem_bytes(head_dim, itemsize, separate_o, segments, bias_bytes) <= SMEM_BUDGET
+
+  def separate_o(self, head_dim: int, itemsize: int, segments: bool = False,
+                 bias_bytes: int = 0) -> bool:
+    """Whether the kernel gives O its own tiles, so that the next Q tile loads under the
+    epilogue: only when those tiles fit the budget too. The one place this is decided."""
+    return self.fits(head_dim, itemsize, separate_o=True, segments=segments,
+                     bias_bytes=bias_bytes)
 
   def check_fits(self, head_dim: int, itemsize: int, segments: bool = False,
                  bias_bytes: int = 0) -> None:

@@ -127,6 +127,16 @@ def test_config_that_overflows_shared_memory_is_rejected_before_compiling():
     config_lib.resolve_forward_config(256, jnp.bfloat16, False, cfg)
 
 
+def test_o_gets_its_own_tiles_only_when_they_fit_too():
+  """The forward's one decision (`ForwardConfig.separate_o`), which both the kernel and the
+  shared-memory test read: O's tiles fit beside these tiles at D 128 but not at D 256, and
+  a ring of three f32 bias tiles leaves no room for them at D 128."""
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, bias_num_stages=3)
+  assert cfg.separate_o(128, 2)
+  assert cfg.fits(256, 2) and not cfg.separate_o(256, 2)
+  assert cfg.fits(128, 2, bias_bytes=4) and not cfg.separate_o(128, 2, bias_bytes=4)
+
+
 @pytest.mark.parametrize("head_dim", config_lib.SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("is_causal", (False, True))
 @pytest.mark.parametrize("dtype", config_lib.SUPPORTED_DTYPES)

@@ -271,8 +271,7 @@ def test_shared_memory_estimates_match_the_kernels(monkeypatch, d, causal):
   itemsize = jnp.dtype(dtype).itemsize
   fwd = config_lib.resolve_forward_config(d, dtype, causal, seq_len=t)
   bwd = config_lib.resolve_backward_config(d, dtype, causal, seq_len=t)
-  estimates = {"fwd": fwd.smem_bytes(d, itemsize,
-                                     separate_o=fwd.fits(d, itemsize, separate_o=True)),
+  estimates = {"fwd": fwd.smem_bytes(d, itemsize, separate_o=fwd.separate_o(d, itemsize)),
                "bwd": bwd.smem_bytes(d, itemsize)}  # The larger of dQ's and dK/dV's.
   actual = {"fwd": sizes.pop("fwd"), "bwd": max(sizes.values())}
   for name, need in actual.items():

@@ -558,8 +558,8 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
-  separate_o = cfg.fits(dims.head_dim, itemsize, separate_o=True, segments=opts.segments,
-                        bias_bytes=opts.bias_bytes(dims.dtype))
+  separate_o = cfg.separate_o(dims.head_dim, itemsize, segments=opts.segments,
+                              bias_bytes=opts.bias_bytes(dims.dtype))
   scratch = (
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype),
       common.smem_tile((wgs, cfg.block_q, dims.head_dim), dims.dtype) if separate_o else None,
