@@ -109,6 +109,9 @@ class ForwardConfig:
     bias_num_stages: slots of the ring of bias (or mask) tiles when it must differ from
       `num_stages` (None: the same). At D 256 a 16-bit bias fits with one: its tile is read
       before P V, so one slot still lets the next tile load under P V and the next QKᵀ.
+    balanced_tail: under causal, deal the last rounds of tile pairs as single tiles, longest
+      first, to the least loaded CTA (`scheduler.balanced_pairs`), instead of leaving part
+      of the SMs idle in the last round. Not yet measured on a GPU: off in the tuned tables.
   """
 
   block_q: int = 64
@@ -116,12 +119,14 @@ class ForwardConfig:
   num_stages: int = 2
   overlap_softmax: bool = False
   bias_num_stages: int | None = None
+  balanced_tail: bool = False
 
   def __post_init__(self):
     _validate_tiles(self)
-    if not isinstance(self.overlap_softmax, bool):
-      raise TypeError(f"ForwardConfig.overlap_softmax must be a bool, got "
-                      f"{self.overlap_softmax!r}")
+    for field in ("overlap_softmax", "balanced_tail"):
+      if not isinstance(getattr(self, field), bool):
+        raise TypeError(f"ForwardConfig.{field} must be a bool, got "
+                        f"{getattr(self, field)!r}")
     _validate_optional_stages(self, "bias_num_stages")
 
   @property

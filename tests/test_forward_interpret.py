@@ -90,6 +90,19 @@ def test_jit_of_vmap_over_an_extra_batch_dim(rng):
     testing.check_attention(out[i], q[i], k[i], v[i], is_causal=True)
 
 
+# `ForwardConfig.balanced_tail`: 7 heads of two 128-row tiles are 7 causal pairs on the
+# interpreter's two CTAs, so one round is dealt as pairs and the other five pairs' tiles go,
+# longest first, to the least loaded CTA, through the table the kernel reads.
+def test_balanced_tail(rng):
+  w = workloads.Workload("balanced_256", batch=1, seq_q=256, seq_kv=256, num_q_heads=7,
+                         num_kv_heads=1, head_dim=64)
+  q, k, v = testing.random_qkv(rng, w, "float16")
+  cfg = fah.ForwardConfig(block_q=64, block_kv=64, num_stages=2, balanced_tail=True)
+  out, lse = fah.dot_product_attention(q, k, v, is_causal=True, interpret=True, config=cfg,
+                                       return_residual=True)
+  testing.check_attention(out, q, k, v, actual_lse=lse, is_causal=True)
+
+
 # FA3's intra-warpgroup overlap (`ForwardConfig.overlap_softmax`, the tuned choice at D 128
 # and 256 without causal): forced at D 64 with 64-key blocks, over S = 448 keys (seven
 # blocks: the ring wraps several times) and two CTAs that each take several tiles.

@@ -10,6 +10,7 @@ numerics; those are the GPU tests' (`*_gpu.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -20,6 +21,8 @@ import flash_attn_hopper as fah
 from flash_attn_hopper import api
 from flash_attn_hopper import autodiff
 from flash_attn_hopper import config as config_lib
+from flash_attn_hopper import hardware
+from flash_attn_hopper import scheduler
 
 
 @pytest.fixture
@@ -82,6 +85,18 @@ def test_head_dim_256_backward_runs_the_split_kernel(feature):
   text = _lower(256, True, **dict(FEATURES[feature]))
   for name in ("fwd", "dq", "dkv_split"):
     assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_balanced_tail_lowers_for_hopper(d):
+  """`ForwardConfig.balanced_tail`: the forward reads its tail's tiles from a table in global
+  memory. Causal at 4k, two batch elements of 8 heads: 256 pairs on 132 CTAs leave a tail."""
+  assert scheduler.balanced_pairs(32, 8, 2, 128, hardware.num_sms(), [1] * 32).table
+  tuned = config_lib.resolve_forward_config(d, jnp.bfloat16, True, seq_len=4096)
+  cfg = dataclasses.replace(tuned, balanced_tail=True)
+  text = _lower(d, False, t=4096, s=4096, is_causal=True, config=cfg)
+  assert "flash_attn_hopper_fwd_mosaic_gpu" in text
 
 
 @pytest.mark.usefixtures("as_if_on_hopper")

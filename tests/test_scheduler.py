@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pytest
 
 from flash_attn_hopper import config as config_lib
@@ -13,7 +14,12 @@ from flash_attn_hopper import scheduler
 from flash_attn_hopper.kernels import common
 
 
-def _tiles(sched):
+def _tiles(sched, costs=None):
+  """How often each (batch, head, row0) is run, and each CTA's work: the tiles' `costs` (by
+  Q tile), by default a causal tile's blocks, Q tile + 1."""
+  if sched.table is not None:  # Read as the kernel reads its ref.
+    sched, rest = sched.bind([np.asarray(sched.table, np.int32)])
+    assert rest == []
   seen = collections.Counter()
   work = []
   for cta in range(sched.num_ctas):
@@ -21,7 +27,8 @@ def _tiles(sched):
     for i in range(int(sched.items_of(cta))):
       t = sched.tile(cta, i)
       seen[(int(t.batch), int(t.head), int(t.row0))] += 1
-      blocks += int(t.row0) // sched.rows_per_tile + 1  # causal cost of the tile
+      q_tile = int(t.row0) // sched.rows_per_tile
+      blocks += q_tile + 1 if costs is None else costs[q_tile]
     work.append(blocks)
   return seen, work
 
@@ -57,6 +64,55 @@ def test_odd_tile_counts_take_one_pair_per_cta():
   assert sched.num_ctas == 8  # 4 items per head, the middle one a single tile.
   _, work = _tiles(sched)
   assert sorted(work) == [4, 4, 8, 8, 8, 8, 8, 8]  # The middle tile 3 alone: 4 blocks.
+
+
+@pytest.mark.parametrize("num_q_tiles, num_heads, batch, max_ctas", [
+    (8, 3, 1, 5),       # 12 pairs on 5 CTAs: all of them in the tail.
+    (2, 7, 1, 2),       # The interpreter's case (test_forward_interpret): one round dealt.
+    (16, 5, 3, 7),      # 120 pairs on 7: fifteen rounds dealt, the rest in the tail.
+    (8, 32, 16, 132),   # The race grid's D 64 causal 1k: 2048 pairs on 132.
+])
+def test_balanced_tail_runs_every_tile_once(num_q_tiles, num_heads, batch, max_ctas):
+  sched = scheduler.balanced_pairs(num_q_tiles, num_heads, batch, 128, max_ctas,
+                                   costs=[q + 1 for q in range(num_q_tiles)])
+  assert sched.table is not None and len(sched.inputs()) == 1
+  seen, _ = _tiles(sched)
+  assert set(seen) == {(b, h, q * 128) for b in range(batch) for h in range(num_heads)
+                       for q in range(num_q_tiles)}
+  assert all(count == 1 for count in seen.values())
+
+
+def test_balanced_tail_evens_out_the_last_round():
+  # D 64 causal at 1k on the H200: 128-row tiles, 256-key blocks (tile q visits ⌈(q + 1) / 2⌉),
+  # 2048 pairs of 5 blocks on 132 CTAs. Whole pairs: 16 rounds, 80 blocks for the busiest CTA
+  # against a mean of 77.6; balanced, 78.
+  costs = [(q + 2) // 2 for q in range(8)]
+  whole = scheduler.make(8, 32, 16, 128, max_ctas=132, paired=True)
+  balanced = scheduler.balanced_pairs(8, 32, 16, 128, max_ctas=132, costs=costs)
+  _, whole_work = _tiles(whole, costs)
+  _, balanced_work = _tiles(balanced, costs)
+  assert sum(whole_work) == sum(balanced_work) == 2048 * 5
+  assert max(whole_work) == 80 and max(balanced_work) == 78
+  assert balanced.dealt_rounds == 13  # 2048 // 132 − TAIL_ROUNDS
+
+
+@pytest.mark.parametrize("num_q_tiles, num_heads", [(8, 33), (7, 4)])
+def test_balanced_tail_is_the_paired_schedule_where_nothing_is_left_over(num_q_tiles,
+                                                                         num_heads):
+  # 4 · 33 · 8 = 1056 pairs fill 8 rounds of 132; an odd tile count takes one pair a CTA.
+  sched = scheduler.balanced_pairs(num_q_tiles, num_heads, 8, 128, max_ctas=132,
+                                   costs=[1] * num_q_tiles)
+  assert sched == scheduler.make(num_q_tiles, num_heads, 8, 128, max_ctas=132, paired=True)
+  assert sched.inputs() == ()
+
+
+def test_balanced_tail_gives_every_cta_a_tile():
+  # 6 pairs of 4-tile heads on 5 CTAs, no round dealt: 12 tiles, every CTA runs one or more.
+  sched = scheduler.balanced_pairs(4, 3, 1, 128, max_ctas=5, costs=[1, 1, 2, 2])
+  table = np.asarray(sched.table).reshape(sched.num_ctas, sched.table_width)
+  assert sched.dealt_rounds == 0 and table[:, 0].min() >= 1 and table[:, 0].sum() == 12
+  with pytest.raises(ValueError, match="positive cost"):
+    scheduler.balanced_pairs(4, 3, 1, 128, max_ctas=5, costs=[0, 1, 2, 2])
 
 
 def test_persistent_schedule_caps_ctas():

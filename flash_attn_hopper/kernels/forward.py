@@ -554,7 +554,8 @@ def _cta_body(refs: _Refs, bars: pipeline.Barriers, *, sched, dims: common.Dims,
 
 
 def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOptions):
-  masks, (o_ref, lse_ref) = common.MaskInputs.split(rest, opts)
+  masks, rest = common.MaskInputs.split(rest, opts)
+  sched, (o_ref, lse_ref) = sched.bind(rest)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   itemsize = jnp.dtype(dims.dtype).itemsize
@@ -590,6 +591,32 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
                 collective_axes="wg")
 
 
+#: A tile's cost past its KV blocks, for `ForwardConfig.balanced_tail`: its Q load and
+#: epilogue, taken as one block's time (a guess; in the list-scheduling model of the race
+#: grid, 0 to 1 block moves the balance by under 1%). It keeps every cost positive, so that
+#: every CTA gets a tile.
+TILE_FIXED_BLOCKS = 1
+
+
+def _schedule(num_tiles: int, num_heads: int, batch: int, seq_kv: int,
+              opts: ForwardOptions) -> scheduler.TileScheduler:
+  """The CTAs' tiles: tile costs grow along T when the band is unbounded on the left
+  (causal), so tiles go in mirror pairs, the last rounds balanced by the tiles' KV blocks
+  with `ForwardConfig.balanced_tail`; else persistent CTAs."""
+  cfg = opts.config
+  max_ctas = opts.max_ctas or hardware.num_sms()
+  paired = opts.mask.upper is not None and opts.mask.left is None
+  if not (paired and cfg.balanced_tail):
+    return scheduler.make(num_tiles, num_heads, batch, cfg.rows_per_cta, max_ctas, paired)
+  rows = cfg.rows_per_cta
+  costs = []
+  with jax.ensure_compile_time_eval():  # Static tile bounds: numbers, not traced values.
+    for q_tile in range(num_tiles):
+      blocks = masking.kv_block_range(opts.mask, q_tile * rows, rows, seq_kv, cfg.block_kv)
+      costs.append(int(blocks.end) - int(blocks.first) + TILE_FIXED_BLOCKS)
+  return scheduler.balanced_pairs(num_tiles, num_heads, batch, rows, max_ctas, costs)
+
+
 def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=None,
                       bias=None):
   """Runs the kernel on canonical inputs.
@@ -612,10 +639,7 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=N
   dims = common.Dims.of(q, k, opts)
   cfg = opts.config
   num_tiles = pl.cdiv(t, cfg.rows_per_cta)
-  # Tile costs grow along T when the band is unbounded on the left (causal): pair them.
-  sched = scheduler.make(num_tiles, n, b, cfg.rows_per_cta,
-                         max_ctas=opts.max_ctas or hardware.num_sms(),
-                         paired=opts.mask.upper is not None and opts.mask.left is None)
+  sched = _schedule(num_tiles, n, b, k.shape[1], opts)
   out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((b, n, num_tiles * cfg.rows_per_cta), jnp.float32))
   masks = common.MaskInputs.of(kv_lens, segment_ids, opts, seq_q=num_tiles * cfg.rows_per_cta,
@@ -624,5 +648,5 @@ def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=N
                           col_block=cfg.block_kv)
   return common.launch(
       functools.partial(_entry, sched=sched, dims=dims, opts=opts), q, k, v, *masks.arrays(),
-      out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
+      *sched.inputs(), out_type=out_types, grid=(sched.num_ctas,), grid_names=("cta",),
       name="flash_attn_hopper_fwd", interpret=opts.interpret)
