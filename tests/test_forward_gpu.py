@@ -39,10 +39,11 @@ def _workload(t, s, heads, d, is_causal, dtype):
                             is_causal=is_causal, dtype=dtype)
 
 
-def _check(rng, w):
+def _check(rng, w, config=None):
   q, k, v = testing.random_qkv(rng, w)
   fwd = jax.jit(lambda q, k, v: fah.dot_product_attention(
-      q, k, v, is_causal=w.is_causal, implementation="flash_attn_hopper", return_residual=True))
+      q, k, v, is_causal=w.is_causal, implementation="flash_attn_hopper", return_residual=True,
+      config=config))
   testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
   out, lse = fwd(q, k, v)
   testing.check_attention(out, q, k, v, actual_lse=lse, is_causal=w.is_causal)
@@ -86,13 +87,7 @@ def test_balanced_tail(rng, d):
   w = _workload(4096, 4096, "gqa", d, True, "bfloat16").replace(batch=4)
   cfg = dataclasses.replace(
       config_lib.resolve_forward_config(d, jnp.bfloat16, True, seq_len=4096), balanced_tail=True)
-  q, k, v = testing.random_qkv(rng, w)
-  fwd = jax.jit(lambda q, k, v: fah.dot_product_attention(
-      q, k, v, is_causal=True, implementation="flash_attn_hopper", return_residual=True,
-      config=cfg))
-  testing.poison_device_memory(2 * q.size * q.dtype.itemsize)
-  out, lse = fwd(q, k, v)
-  testing.check_attention(out, q, k, v, actual_lse=lse, is_causal=True)
+  _check(rng, w, config=cfg)
 
 
 def test_deterministic(rng):
