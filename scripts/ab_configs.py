@@ -8,8 +8,8 @@ A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `
 forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
 for its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None:
 `128,64,2,-,-,64`), or `,f` for its fused_dq (the five-matmul backward; `fused` alone is
-the op's `deterministic=False`). A forward config's `,b` turns on its balanced_tail (`tuned,b`:
-the tuned config with it). A forward config (`tuned` too) ending in `,x` is sized
+the op's `deterministic=False`). A forward config ending in `,b` (before any `,x`) turns on its
+balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too) ending in `,x` is sized
 against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each config's output
 (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
 config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ
@@ -53,8 +53,6 @@ def smem_budget(tight: bool):
 def parse_config(text: str, backward: bool):
   if text in ("tuned", "fused"):
     return None
-  if text == "tuned,b" and not backward:  # Resolved in `main`, where the shape is known.
-    return "balanced"
   parts = text.split(",")
   bq, bkv, stages = (int(x) for x in parts[:3])
   if backward:
@@ -65,7 +63,7 @@ def parse_config(text: str, backward: bool):
                               dq_num_stages=optional[0], dq_block_kv=optional[1],
                               dq_block_q=optional[2], fused_dq=fused)
   return fah.ForwardConfig(block_q=bq, block_kv=bkv, num_stages=stages,
-                           overlap_softmax="o" in parts[3:], balanced_tail="b" in parts[3:])
+                           overlap_softmax="o" in parts[3:])
 
 
 def main():
@@ -89,16 +87,17 @@ def main():
                                 implementation="cudnn")
       fns = {"cudnn": timed_program(cudnn, a.backward)}
       for name in a.configs:
-        tight = not a.backward and name.endswith(",x")
-        cfg = parse_config(name.removesuffix(",x") if tight else name, a.backward)
+        base = name
+        tight = not a.backward and base.endswith(",x")
+        base = base.removesuffix(",x")
+        balanced = not a.backward and base.endswith(",b")
+        cfg = parse_config(base.removesuffix(",b"), a.backward)
         with smem_budget(tight):
           if a.backward:
             kw = {"backward_config": cfg, "deterministic": name != "fused"}
           else:
-            balanced = cfg == "balanced"
-            cfg = config_lib.resolve_forward_config(d, dtype, causal, None if balanced else cfg,
-                                                    seq_len=t)
-            kw = {"config": dataclasses.replace(cfg, balanced_tail=True) if balanced else cfg}
+            cfg = config_lib.resolve_forward_config(d, dtype, causal, cfg, seq_len=t)
+            kw = {"config": dataclasses.replace(cfg, balanced_tail=balanced or cfg.balanced_tail)}
           ours = functools.partial(fah.dot_product_attention, is_causal=causal, **kw)
           fns[name] = timed_program(ours, a.backward)
           fns[name](*args)  # Traced (and compiled) under the budget.
