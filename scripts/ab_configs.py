@@ -8,9 +8,9 @@ A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `
 forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
 for its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None:
 `128,64,2,-,-,64`), or `,f` for its fused_dq (the five-matmul backward; `fused` alone is
-the op's `deterministic=False`). A forward config ending in `,b` (before any `,x`) turns on its
-balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too) ending in `,x` is sized
-against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each config's output
+the op's `deterministic=False`). A forward config ending in `,b` (before any `,x`) turns
+on its balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too)
+ending in `,x` is sized against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each config's output
 (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
 config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ
 and dK/dV kernels' ms in that round)."""
@@ -50,6 +50,14 @@ def smem_budget(tight: bool):
     config_lib.SMEM_BUDGET = saved
 
 
+def forward_suffixes(name: str) -> tuple[str, bool, bool]:
+  """A forward config's name without its `,x` and `,b` endings, and whether each was there."""
+  tight = name.endswith(",x")
+  name = name.removesuffix(",x")
+  balanced = name.endswith(",b")
+  return name.removesuffix(",b"), tight, balanced
+
+
 def parse_config(text: str, backward: bool):
   if text in ("tuned", "fused"):
     return None
@@ -87,17 +95,16 @@ def main():
                                 implementation="cudnn")
       fns = {"cudnn": timed_program(cudnn, a.backward)}
       for name in a.configs:
-        base = name
-        tight = not a.backward and base.endswith(",x")
-        base = base.removesuffix(",x")
-        balanced = not a.backward and base.endswith(",b")
-        cfg = parse_config(base.removesuffix(",b"), a.backward)
+        base, tight, balanced = (name, False, False) if a.backward else forward_suffixes(name)
+        cfg = parse_config(base, a.backward)
         with smem_budget(tight):
           if a.backward:
             kw = {"backward_config": cfg, "deterministic": name != "fused"}
           else:
             cfg = config_lib.resolve_forward_config(d, dtype, causal, cfg, seq_len=t)
-            kw = {"config": dataclasses.replace(cfg, balanced_tail=balanced or cfg.balanced_tail)}
+            if balanced:
+              cfg = dataclasses.replace(cfg, balanced_tail=True)
+            kw = {"config": cfg}
           ours = functools.partial(fah.dot_product_attention, is_causal=causal, **kw)
           fns[name] = timed_program(ours, a.backward)
           fns[name](*args)  # Traced (and compiled) under the budget.
