@@ -10,8 +10,8 @@ for its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None:
 `128,64,2,-,-,64`), or `,f` for its fused_dq (the five-matmul backward; `fused` alone is
 the op's `deterministic=False`). A forward config ending in `,b` (before any `,x`) turns
 on its balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too)
-ending in `,x` is sized against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each config's output
-(gradients) is checked against cuDNN's before it is timed; the line per cell gives each
+ending in `,x` is sized against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each
+config's output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
 config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ
 and dK/dV kernels' ms in that round)."""
 import argparse
