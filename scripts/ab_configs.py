@@ -5,15 +5,15 @@ hidden 2048), interleaved over rounds, CUPTI device time:
       --causal both --configs tuned 128,64,2 128,64,2,o [--dtype float16] [--rounds 3]
   PYTHONPATH=.:scripts python3 scripts/ab_configs.py --backward --configs tuned 64,64,3 128,64,2
 A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `,o` for the
-forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth
-for its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None:
-`128,64,2,-,-,64`), or `,f` for its fused_dq (the five-matmul backward; `fused` alone is
-the op's `deterministic=False`). A forward config ending in `,b` (before any `,x`) turns
-on its balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too)
-ending in `,x` is sized against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each
-config's output (gradients) is checked against cuDNN's before it is timed; the line per cell gives each
-config's best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ
-and dK/dV kernels' ms in that round)."""
+forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth for
+its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None: `128,64,2,-,-,64`),
+or `,f` for its fused_dq (the five-matmul backward; `fused` alone is the op's
+`deterministic=False`). A forward config ending in `,b` (before any `,x`) turns on its
+balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too) ending in
+`,x` is sized against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each config's output
+(gradients) is checked against cuDNN's before it is timed; the line per cell gives each config's
+best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ and dK/dV
+kernels' ms in that round)."""
 import argparse
 import contextlib
 import dataclasses
