@@ -208,14 +208,22 @@ class BackwardConfig:
   #: where it measured faster (`TUNED_BACKWARD_FUSED`). D 64 and 128, and not beside a
   #: bias's gradient (dS).
   fused_dq: bool = False
+  #: Under a causal bound, where a kernel runs on persistent CTAs in mirror pairs
+  #: (`kernels/common.backward_schedule`), deal the last rounds of pairs as single tiles,
+  #: longest first, to the least loaded CTA (`scheduler.balanced_pairs`), as
+  #: `ForwardConfig.balanced_tail` does the forward's. Not yet measured on a GPU: off in the
+  #: tuned tables.
+  balanced_tail: bool = False
 
   def __post_init__(self):
     _validate_tiles(self)
     _validate_optional_stages(self, "dq_num_stages")
     _validate_optional_multiple(self, "dq_block_kv", DQ_BLOCK_KV_MULTIPLE)
     _validate_optional_multiple(self, "dq_block_q", hardware.WGMMA_ROWS)
-    if not isinstance(self.fused_dq, (bool, np.bool_)):
-      raise TypeError(f"BackwardConfig.fused_dq must be a bool, got {self.fused_dq!r}")
+    for field in ("fused_dq", "balanced_tail"):
+      if not isinstance(getattr(self, field), (bool, np.bool_)):
+        raise TypeError(f"BackwardConfig.{field} must be a bool, got "
+                        f"{getattr(self, field)!r}")
     if self.dq_block_q is not None and self.fused_dq:
       raise ValueError("BackwardConfig.dq_block_q sizes the dQ kernel, which fused_dq=True "
                        "does without; leave dq_block_q None")

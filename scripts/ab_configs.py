@@ -8,12 +8,12 @@ A config is `tuned` (what the op resolves to) or BLOCK_Q,BLOCK_KV,STAGES, with `
 forward's overlap_softmax, or a fourth number for the backward's dq_num_stages (and a fifth for
 its dq_block_kv: `64,64,2,2,32`, a sixth for its dq_block_q, `-` for a None: `128,64,2,-,-,64`),
 or `,f` for its fused_dq (the five-matmul backward; `fused` alone is the op's
-`deterministic=False`). A forward config ending in `,b` (before any `,x`) turns on its
-balanced_tail (`tuned,b`: the tuned config with it). A forward config (`tuned` too) ending in
-`,x` is sized against a tight shared-memory budget (`TIGHT_RESERVE_BYTES`). Each config's output
-(gradients) is checked against cuDNN's before it is timed; the line per cell gives each config's
-best-of-rounds median time, TFLOP/s and ratio to cuDNN (with --backward, also the dQ and dK/dV
-kernels' ms in that round)."""
+`deterministic=False`). A config ending in `,b` (before any `,x`) turns on its balanced_tail
+(`tuned,b`: the tuned config with it; not `fused`, which runs one CTA per tile). A forward
+config (`tuned` too) ending in `,x` is sized against a tight shared-memory budget
+(`TIGHT_RESERVE_BYTES`). Each config's output (gradients) is checked against cuDNN's before it
+is timed; the line per cell gives each config's best-of-rounds median time, TFLOP/s and ratio
+to cuDNN (with --backward, also the dQ and dK/dV kernels' ms in that round)."""
 import argparse
 import contextlib
 import dataclasses
@@ -50,12 +50,17 @@ def smem_budget(tight: bool):
     config_lib.SMEM_BUDGET = saved
 
 
-def forward_suffixes(name: str) -> tuple[str, bool, bool]:
-  """A forward config's name without its `,x` and `,b` endings, and whether each was there."""
-  tight = name.endswith(",x")
-  name = name.removesuffix(",x")
+def suffixes(name: str, backward: bool) -> tuple[str, bool, bool]:
+  """A config's name without its `,x` (forward only) and `,b` endings, and whether each was
+  there."""
+  tight = not backward and name.endswith(",x")
+  name = name.removesuffix(",x") if tight else name
   balanced = name.endswith(",b")
-  return name.removesuffix(",b"), tight, balanced
+  name = name.removesuffix(",b")
+  if balanced and name == "fused":
+    raise SystemExit("fused,b: the five-matmul backward runs one CTA per tile, so it has no "
+                     "tail to balance; drop the ',b'")
+  return name, tight, balanced
 
 
 def parse_config(text: str, backward: bool):
@@ -95,11 +100,15 @@ def main():
                                 implementation="cudnn")
       fns = {"cudnn": timed_program(cudnn, a.backward)}
       for name in a.configs:
-        base, tight, balanced = (name, False, False) if a.backward else forward_suffixes(name)
+        base, tight, balanced = suffixes(name, a.backward)
         cfg = parse_config(base, a.backward)
         with smem_budget(tight):
           if a.backward:
-            kw = {"backward_config": cfg, "deterministic": name != "fused"}
+            if balanced:
+              cfg = dataclasses.replace(
+                  cfg or config_lib.resolve_backward_config(d, dtype, causal, seq_len=t),
+                  balanced_tail=True)
+            kw = {"backward_config": cfg, "deterministic": base != "fused"}
           else:
             cfg = config_lib.resolve_forward_config(d, dtype, causal, cfg, seq_len=t)
             if balanced:

@@ -6,6 +6,7 @@ kernel, see `autodiff`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 
 import flash_attn_hopper as fah
 from flash_attn_hopper import autodiff
+from flash_attn_hopper import config as config_lib
 from flash_attn_hopper import testing
 from flash_attn_hopper import workloads
 from tiers import tiered
@@ -70,6 +72,25 @@ def test_backward_is_deterministic(rng, d):
   first, second = grads(q, k, v, dout), grads(q, k, v, dout)
   for a, b in zip(first, second):
     assert bool(jnp.all(a == b))
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_balanced_tail(rng, backward_schedules, d):
+  # `BackwardConfig.balanced_tail` with the tuned tiles: four batch elements of 40 heads at
+  # 1k, causal, where both kernels run on persistent CTAs: 640 pairs of dQ tiles (and of
+  # dK/dV tiles; 1280 of D 256's split kernel) on an H200's 132 SMs leave a tail.
+  tuned = config_lib.resolve_backward_config(d, jnp.bfloat16, True, seq_len=1024)
+  w = workloads.Workload("bwd", batch=4, seq_q=1024, seq_kv=1024, num_q_heads=40,
+                         num_kv_heads=40, head_dim=d, is_causal=True, dtype="bfloat16")
+  q, k, v = testing.random_qkv(rng, w)
+  dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+  f = lambda q, k, v: fah.dot_product_attention(
+      q, k, v, is_causal=True, implementation="flash_attn_hopper",
+      backward_config=dataclasses.replace(tuned, balanced_tail=True))
+  grads = jax.jit(lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout))(q, k, v, dout)
+  assert [(kernel, s.table is not None) for kernel, s in backward_schedules] == [
+      ("dq", True), ("dkv", True)]
+  testing.check_gradients(grads, q, k, v, dout, is_causal=True)
 
 
 # dQ on its own query rows (`BackwardConfig.dq_block_q`): 64-row dQ tiles beside dK/dV's

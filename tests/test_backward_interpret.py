@@ -3,6 +3,7 @@ against the float32 reference's gradients for a random cotangent."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -235,3 +236,30 @@ def test_persistent_and_one_cta_per_tile_give_the_same_bits(rng, monkeypatch, ba
   for a, b in zip(persistent, per_tile):
     assert bool(jnp.all(a == b))
   testing.check_gradients(persistent, q, k, v, dout, is_causal=is_causal)
+
+
+@pytest.mark.parametrize("head_dim, seq", [(64, 256), (256, 128)])
+def test_balanced_tail(rng, monkeypatch, backward_schedules, head_dim, seq):
+  """`BackwardConfig.balanced_tail` on the interpreter's two persistent CTAs: seven heads of
+  two tiles each (128 rows of dQ, 128 keys of dK/dV, or 64 keys of D 256's split dK/dV) are
+  seven causal pairs, one round dealt whole and five pairs' tiles from the table the kernels
+  read. The same bits as the pairs dealt whole, and right. (D 256's dQ has one 128-row tile
+  a head at 128 rows: the paired schedule for an odd tile count, without a table.)"""
+  from flash_attn_hopper import config as config_lib
+
+  w = workloads.Workload(f"mha_{seq}_d{head_dim}", batch=1, seq_q=seq, seq_kv=seq,
+                         num_q_heads=7, num_kv_heads=7, head_dim=head_dim)
+  q, k, v = testing.random_qkv(rng, w, "float16")
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
+  always = {(kernel, head_dim, True): 1 << 30 for kernel in ("dq", "dkv")}
+  monkeypatch.setattr(config_lib, "PERSISTENT_BACKWARD_MAX_STEPS", always)
+  tuned = config_lib.resolve_backward_config(head_dim, jnp.float16, True, seq_len=seq)
+  grads = {}
+  for balanced in (True, False):
+    cfg = dataclasses.replace(tuned, balanced_tail=balanced)
+    grads[balanced] = _grads(q, k, v, dout, is_causal=True, backward_config=cfg)
+  tables = [(kernel, s.table is not None) for kernel, s in backward_schedules]
+  assert tables == [("dq", head_dim == 64), ("dkv", True), ("dq", False), ("dkv", False)]
+  for a, b in zip(grads[True], grads[False]):
+    assert bool(jnp.all(a == b))
+  testing.check_gradients(grads[True], q, k, v, dout, is_causal=True)

@@ -101,6 +101,22 @@ def test_balanced_tail_lowers_for_hopper(d):
 
 @pytest.mark.usefixtures("as_if_on_hopper")
 @pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_balanced_tail_lowers_for_hopper(d, backward_schedules):
+  """`BackwardConfig.balanced_tail`: both backward kernels, persistent under causal at 1k by
+  the tuned table, read their tails from tables. 40 heads of two batch elements: 320 pairs of
+  dQ tiles (and of dK/dV tiles; 640 of the split kernel's) on 132 CTAs leave a tail."""
+  tuned = config_lib.resolve_backward_config(d, jnp.bfloat16, True, seq_len=1024)
+  cfg = dataclasses.replace(tuned, balanced_tail=True)
+  text = _lower(d, True, heads=(40, 40), is_causal=True, backward_config=cfg)
+  split = d >= config_lib.SPLIT_DKV_HEAD_DIM
+  for name in ("fwd", "dq", "dkv_split" if split else "dkv"):
+    assert f"flash_attn_hopper_{name}_mosaic_gpu" in text, f"no {name} kernel in the program"
+  assert [(kernel, s.table is not None) for kernel, s in backward_schedules] == [
+      ("dq", True), ("dkv", True)]
+
+
+@pytest.mark.usefixtures("as_if_on_hopper")
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_bias_gradient_lowers_for_hopper(d):
   """A differentiated bias: the dQ kernel writes dS (through staging tiles up to D 128, from
   registers at D 256), beside the dK/dV kernel's bias tiles."""

@@ -4,6 +4,7 @@ take the persistent ones where the tuned table says."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -157,3 +158,35 @@ def test_backward_schedule_keeps_one_cta_per_tile(why):
                                    stages=1 if why == "one_stage" else 2, head_dim=64,
                                    opts=_backward_opts(True, **kw))
   assert not sched.persistent and sched.num_ctas == 8 * 4 * 2
+
+
+def _causal_band(key0, keys=128, seq=1024, block=64):
+  """A dK/dV tile's query blocks under causal (the first key tiles see the most queries)."""
+  return masking.q_block_range(masking.MaskSpec(is_causal=True), key0, keys, seq, block)
+
+
+def test_band_costs_count_each_tiles_blocks():
+  # 128-key tiles of a 1k causal dK/dV over 64-row query blocks: tile j sees blocks 2j to 15,
+  # twice over in groups of 2, plus one block for its loads and epilogue.
+  costs = common.band_costs(8, 128, _causal_band, per_block=2)
+  assert costs == [2 * (16 - 2 * j) + common.TILE_FIXED_BLOCKS for j in range(8)]
+
+
+@pytest.mark.parametrize("balanced, costs, tail", [
+    (True, True, True), (False, True, False), (True, False, False)])
+def test_backward_schedule_balances_its_tail_when_asked(balanced, costs, tail):
+  # 8 key tiles of 7 heads: 28 pairs on 5 CTAs, three rounds dealt whole (5 − TAIL_ROUNDS)
+  # and the rest from the table; without the flag, or without costs, the paired schedule.
+  opts = _backward_opts(True)
+  opts = dataclasses.replace(opts, max_ctas=5, config=config_lib.BackwardConfig(
+      balanced_tail=balanced))
+  sched = common.backward_schedule(
+      "dkv", 8, 7, 1, 128, steps=16, stages=2, head_dim=64, opts=opts,
+      costs=(lambda: common.band_costs(8, 128, _causal_band)) if costs else None)
+  assert sched.persistent and sched.paired
+  assert (sched.table is not None) == tail
+  seen, _ = _tiles(sched)
+  assert sorted(seen) == sorted((0, h, q * 128) for h in range(7) for q in range(8))
+  assert set(seen.values()) == {1}
+  if tail:
+    assert sched.dealt_rounds == 28 // 5 - scheduler.TAIL_ROUNDS

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
+import jax
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -102,23 +103,48 @@ class BackwardOptions(AttentionOptions):
   config: config_lib.BackwardConfig
 
 
+#: A tile's cost past its blocks, for the balanced tails (`ForwardConfig.balanced_tail`,
+#: `BackwardConfig.balanced_tail`): its per-tile loads and epilogue, taken as one block's time
+#: (a guess; in the list-scheduling model of the race grid, 0 to 1 block moves the balance by
+#: under 1%). It keeps every cost positive, so that every CTA gets a tile.
+TILE_FIXED_BLOCKS = 1
+
+
+def band_costs(num_tiles: int, rows: int, blocks_of: Callable[[int], masking.BlockRange],
+               per_block: int = 1) -> list[int]:
+  """Each tile's work for `scheduler.balanced_pairs`, in blocks: `per_block` times the
+  blocks `blocks_of(row0)` visits (a static range for the tile whose first row is `row0`),
+  plus TILE_FIXED_BLOCKS."""
+  costs = []
+  with jax.ensure_compile_time_eval():  # Static tile bounds: numbers, not traced values.
+    for tile in range(num_tiles):
+      blocks = blocks_of(tile * rows)
+      costs.append(per_block * (int(blocks.end) - int(blocks.first)) + TILE_FIXED_BLOCKS)
+  return costs
+
+
 def backward_schedule(kernel: str, num_tiles: int, num_heads: int, batch: int,
                       rows_per_tile: int, *, steps: int, stages: int, head_dim: int,
-                      opts: BackwardOptions,
-                      descending: bool = False) -> scheduler.TileScheduler:
+                      opts: BackwardOptions, descending: bool = False,
+                      costs: Callable[[], list[int]] | None = None) -> scheduler.TileScheduler:
   """The tile schedule of backward kernel `kernel` ("dq" or "dkv"), whose tiles stream at
   most `steps` ring steps through `stages` slots: persistent CTAs where that paid on the
-  H200 (`config.PERSISTENT_BACKWARD_MAX_STEPS`), mirror pairs under a causal bound; else
-  one CTA per tile (`descending`: a head's last tile first). A bias's sparse stream,
-  segment ids and `BackwardConfig.fused_dq` keep one CTA per tile."""
+  H200 (`config.PERSISTENT_BACKWARD_MAX_STEPS`), mirror pairs under a causal bound (their
+  last rounds balanced by `costs()`, each tile's `band_costs`, with
+  `BackwardConfig.balanced_tail`); else one CTA per tile (`descending`: a head's last tile
+  first). A bias's sparse stream, segment ids and `BackwardConfig.fused_dq` keep one CTA per
+  tile."""
   paired = opts.mask.upper is not None and opts.mask.left is None
   limit = config_lib.PERSISTENT_BACKWARD_MAX_STEPS.get((kernel, head_dim, paired), 0)
   persistent = (steps <= limit and stages >= 2
                 and not (opts.bias or opts.segments or opts.config.fused_dq))
   if not persistent:
     return scheduler.per_tile(num_tiles, num_heads, batch, rows_per_tile, descending)
-  return scheduler.make(num_tiles, num_heads, batch, rows_per_tile,
-                        max_ctas=opts.max_ctas or hardware.num_sms(), paired=paired)
+  max_ctas = opts.max_ctas or hardware.num_sms()
+  if paired and opts.config.balanced_tail and costs is not None:
+    return scheduler.balanced_pairs(num_tiles, num_heads, batch, rows_per_tile, max_ctas,
+                                    costs())
+  return scheduler.make(num_tiles, num_heads, batch, rows_per_tile, max_ctas, paired=paired)
 
 
 def keys_of(batch, kv_lens_ref, dims: Dims):

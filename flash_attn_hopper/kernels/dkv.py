@@ -484,7 +484,8 @@ def ring_barrier_types(stages: int, opts, shared: bool = False) -> tuple:
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
-  masks, outs = common.MaskInputs.split(rest, opts)
+  masks, rest = common.MaskInputs.split(rest, opts)
+  sched, outs = sched.bind(rest)
   *dq_acc, dk, dv = outs  # (dQ's float32 accumulator, an input ref, with `fused_dq`)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
@@ -547,9 +548,14 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   # first as it is; persistent CTAs pair them with their mirrors.
   sched = common.backward_schedule("dkv", num_kv_tiles, dims.num_kv_heads, dims.batch, keys,
                                    steps=dims.group * pl.cdiv(q.shape[1], cfg.block_q),
-                                   stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts)
+                                   stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts,
+                                   costs=lambda: common.band_costs(
+                                       num_kv_tiles, keys, lambda key0: masking.q_block_range(
+                                           opts.mask, key0, keys, q.shape[1], cfg.block_q),
+                                       per_block=dims.group))
   return common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
-      delta, *masks.arrays(), *([] if dq_acc is None else [dq_acc]), out_type=out_type,
+      delta, *masks.arrays(), *sched.inputs(), *([] if dq_acc is None else [dq_acc]),
+      out_type=out_type,
       grid=(sched.num_ctas,), grid_names=("cta",), name="flash_attn_hopper_dkv",
       interpret=opts.interpret)

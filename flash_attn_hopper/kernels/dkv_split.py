@@ -510,7 +510,8 @@ def _streams(tile: _Tile, refs: _Refs, barriers, dims, opts) -> tuple:
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
-  masks, (dk, dv) = common.MaskInputs.split(rest, opts)
+  masks, rest = common.MaskInputs.split(rest, opts)
+  sched, (dk, dv) = sched.bind(rest)
   cfg = opts.config
   stages = cfg.num_stages
   bias_ring = bias_stages(cfg, dims.head_dim, jnp.dtype(dims.dtype).itemsize, opts.segments,
@@ -582,8 +583,13 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
   sched = common.backward_schedule("dkv", num_kv_tiles, dims.num_kv_heads, dims.batch,
                                    BLOCK_KV, steps=dims.group * pl.cdiv(q.shape[1], cfg.block_q),
-                                   stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts)
+                                   stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts,
+                                   costs=lambda: common.band_costs(
+                                       num_kv_tiles, BLOCK_KV, lambda key0: masking.q_block_range(
+                                           opts.mask, key0, BLOCK_KV, q.shape[1], cfg.block_q),
+                                       per_block=dims.group))
   return common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
-      delta, *masks.arrays(), out_type=out_type, grid=(sched.num_ctas,), grid_names=("cta",),
+      delta, *masks.arrays(), *sched.inputs(), out_type=out_type, grid=(sched.num_ctas,),
+      grid_names=("cta",),
       name="flash_attn_hopper_dkv_split", interpret=opts.interpret)

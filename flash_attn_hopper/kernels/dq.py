@@ -365,7 +365,8 @@ def _producer_warpgroup(refs: _Refs, ring_barriers, sched, dims, opts):
 
 
 def _entry(q, k, v, do, lse, delta, *rest, dims: common.Dims, sched, opts):
-  masks, (dq, *ds) = common.MaskInputs.split(rest, opts)
+  masks, rest = common.MaskInputs.split(rest, opts)
+  sched, (dq, *ds) = sched.bind(rest)
   cfg = opts.config
   wgs = pipeline.NUM_COMPUTE_WARPGROUPS
   stages = cfg.dq_stages
@@ -426,10 +427,14 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
   sched = common.backward_schedule("dq", num_q_tiles, dims.num_q_heads, dims.batch, rows,
                                    steps=pl.cdiv(k.shape[1], cfg.dq_keys),
                                    stages=cfg.dq_stages, head_dim=dims.head_dim, opts=opts,
-                                   descending=opts.mask.upper is not None)
+                                   descending=opts.mask.upper is not None,
+                                   costs=lambda: common.band_costs(
+                                       num_q_tiles, rows, lambda row0: masking.kv_block_range(
+                                           opts.mask, row0, rows, k.shape[1], cfg.dq_keys)))
   out = common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
-      delta, *masks.arrays(), out_type=out_type, grid=(sched.num_ctas,), grid_names=("cta",),
+      delta, *masks.arrays(), *sched.inputs(), out_type=out_type, grid=(sched.num_ctas,),
+      grid_names=("cta",),
       name="flash_attn_hopper_dq", interpret=opts.interpret)
   if opts.bias_grad:
     dq_out, ds = out

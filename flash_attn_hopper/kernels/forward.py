@@ -591,13 +591,6 @@ def _entry(q_ref, k_ref, v_ref, *rest, sched, dims: common.Dims, opts: ForwardOp
                 collective_axes="wg")
 
 
-#: A tile's cost past its KV blocks, for `ForwardConfig.balanced_tail`: its Q load and
-#: epilogue, taken as one block's time (a guess; in the list-scheduling model of the race
-#: grid, 0 to 1 block moves the balance by under 1%). It keeps every cost positive, so that
-#: every CTA gets a tile.
-TILE_FIXED_BLOCKS = 1
-
-
 def _schedule(num_tiles: int, num_heads: int, batch: int, seq_kv: int,
               opts: ForwardOptions) -> scheduler.TileScheduler:
   """The CTAs' tiles: tile costs grow along T when the band is unbounded on the left
@@ -609,11 +602,8 @@ def _schedule(num_tiles: int, num_heads: int, batch: int, seq_kv: int,
   if not (paired and cfg.balanced_tail):
     return scheduler.make(num_tiles, num_heads, batch, cfg.rows_per_cta, max_ctas, paired)
   rows = cfg.rows_per_cta
-  costs = []
-  with jax.ensure_compile_time_eval():  # Static tile bounds: numbers, not traced values.
-    for q_tile in range(num_tiles):
-      blocks = masking.kv_block_range(opts.mask, q_tile * rows, rows, seq_kv, cfg.block_kv)
-      costs.append(int(blocks.end) - int(blocks.first) + TILE_FIXED_BLOCKS)
+  costs = common.band_costs(num_tiles, rows, lambda row0: masking.kv_block_range(
+      opts.mask, row0, rows, seq_kv, cfg.block_kv))
   return scheduler.balanced_pairs(num_tiles, num_heads, batch, rows, max_ctas, costs)
 
 
