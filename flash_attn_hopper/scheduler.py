@@ -28,11 +28,10 @@ A tile here is any CTA's run of rows along one sequence: the dK/dV kernel's are 
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 class Tile(NamedTuple):
@@ -176,12 +175,24 @@ def balanced_pairs(num_q_tiles: int, num_heads: int, batch: int, rows_per_tile: 
     rows[cta].append(tile)
     heapq.heappush(loads, (load + costs[tile % num_q_tiles], cta))
   width = 1 + max(len(row) for row in rows)
-  table = np.zeros((ctas, width), np.int32)
-  for cta, row in enumerate(rows):
-    table[cta, 0] = len(row)
-    table[cta, 1:1 + len(row)] = row
-  return base._replace(table=tuple(int(x) for x in table.ravel()), table_width=width,
-                       dealt_rounds=dealt)
+  table = []
+  for row in rows:  # Its count, its tiles, then zeros to the width.
+    table += [len(row), *row] + [0] * (width - 1 - len(row))
+  return base._replace(table=tuple(table), table_width=width, dealt_rounds=dealt)
+
+
+def persistent(num_q_tiles: int, num_heads: int, batch: int, rows_per_tile: int,
+               max_ctas: int, *, paired: bool, balanced_tail: bool = False,
+               costs: Callable[[], Sequence[float]] | None = None) -> TileScheduler:
+  """The persistent CTAs' schedule, forward and backward alike: mirror pairs where `paired`
+  (their tail balanced by `costs()`, each tile's work, with `balanced_tail`: see
+  `balanced_pairs`), else `make`'s round-robin. `costs` is called only when it is used."""
+  if not (paired and balanced_tail):
+    return make(num_q_tiles, num_heads, batch, rows_per_tile, max_ctas, paired)
+  if costs is None:
+    raise ValueError("a balanced tail (balanced_tail=True) needs the tiles' costs: pass "
+                     "costs=, a callable returning each tile's work")
+  return balanced_pairs(num_q_tiles, num_heads, batch, rows_per_tile, max_ctas, costs())
 
 
 def per_tile(num_q_tiles: int, num_heads: int, batch: int, rows_per_tile: int,

@@ -172,21 +172,34 @@ def test_band_costs_count_each_tiles_blocks():
   assert costs == [2 * (16 - 2 * j) + common.TILE_FIXED_BLOCKS for j in range(8)]
 
 
-@pytest.mark.parametrize("balanced, costs, tail", [
-    (True, True, True), (False, True, False), (True, False, False)])
-def test_backward_schedule_balances_its_tail_when_asked(balanced, costs, tail):
+@pytest.mark.parametrize("balanced", [True, False])
+def test_backward_schedule_balances_its_tail_when_asked(balanced):
   # 8 key tiles of 7 heads: 28 pairs on 5 CTAs, three rounds dealt whole (5 − TAIL_ROUNDS)
-  # and the rest from the table; without the flag, or without costs, the paired schedule.
+  # and the rest from the table; without the flag, the paired schedule.
   opts = _backward_opts(True)
   opts = dataclasses.replace(opts, max_ctas=5, config=config_lib.BackwardConfig(
       balanced_tail=balanced))
   sched = common.backward_schedule(
       "dkv", 8, 7, 1, 128, steps=16, stages=2, head_dim=64, opts=opts,
-      costs=(lambda: common.band_costs(8, 128, _causal_band)) if costs else None)
+      costs=lambda: common.band_costs(8, 128, _causal_band))
   assert sched.persistent and sched.paired
-  assert (sched.table is not None) == tail
+  assert (sched.table is not None) == balanced
   seen, _ = _tiles(sched)
   assert sorted(seen) == sorted((0, h, q * 128) for h in range(7) for q in range(8))
   assert set(seen.values()) == {1}
-  if tail:
+  if balanced:
     assert sched.dealt_rounds == 28 // 5 - scheduler.TAIL_ROUNDS
+
+
+def test_a_balanced_tail_without_costs_is_refused():
+  with pytest.raises(ValueError, match="costs="):
+    scheduler.persistent(8, 7, 1, 128, 5, paired=True, balanced_tail=True)
+
+
+def test_tile_costs_of_query_and_key_tiles():
+  mask = masking.MaskSpec(is_causal=True)
+  # 128-row query tiles of a 1k causal band over 64-key blocks: tile i sees blocks 0 to 2i+1.
+  assert common.query_tile_costs(mask, 8, 128, 1024, 64) == [
+      2 * (i + 1) + common.TILE_FIXED_BLOCKS for i in range(8)]
+  assert common.key_tile_costs(mask, 8, 128, 1024, 64, group=2) == common.band_costs(
+      8, 128, _causal_band, per_block=2)

@@ -114,7 +114,8 @@ def band_costs(num_tiles: int, rows: int, blocks_of: Callable[[int], masking.Blo
                per_block: int = 1) -> list[int]:
   """Each tile's work for `scheduler.balanced_pairs`, in blocks: `per_block` times the
   blocks `blocks_of(row0)` visits (a static range for the tile whose first row is `row0`),
-  plus TILE_FIXED_BLOCKS."""
+  plus TILE_FIXED_BLOCKS. Static: `key_value_seq_lengths`, known only at run time, do not
+  shorten it."""
   costs = []
   with jax.ensure_compile_time_eval():  # Static tile bounds: numbers, not traced values.
     for tile in range(num_tiles):
@@ -123,28 +124,41 @@ def band_costs(num_tiles: int, rows: int, blocks_of: Callable[[int], masking.Blo
   return costs
 
 
+def query_tile_costs(mask: masking.MaskSpec, num_tiles: int, rows: int, seq_kv: int,
+                     block_kv: int) -> list[int]:
+  """`band_costs` of query tiles of `rows` rows (the forward's and dQ's): the key blocks of
+  `block_kv` that each visits."""
+  return band_costs(num_tiles, rows, lambda row0: masking.kv_block_range(
+      mask, row0, rows, seq_kv, block_kv))
+
+
+def key_tile_costs(mask: masking.MaskSpec, num_tiles: int, keys: int, seq_q: int,
+                   block_q: int, group: int) -> list[int]:
+  """`band_costs` of key tiles of `keys` keys (dK/dV's): the query blocks of `block_q` that
+  each visits, once for each of the `group` query heads sharing the KV head."""
+  return band_costs(num_tiles, keys, lambda key0: masking.q_block_range(
+      mask, key0, keys, seq_q, block_q), per_block=group)
+
+
 def backward_schedule(kernel: str, num_tiles: int, num_heads: int, batch: int,
                       rows_per_tile: int, *, steps: int, stages: int, head_dim: int,
                       opts: BackwardOptions, descending: bool = False,
                       costs: Callable[[], list[int]] | None = None) -> scheduler.TileScheduler:
   """The tile schedule of backward kernel `kernel` ("dq" or "dkv"), whose tiles stream at
   most `steps` ring steps through `stages` slots: persistent CTAs where that paid on the
-  H200 (`config.PERSISTENT_BACKWARD_MAX_STEPS`), mirror pairs under a causal bound (their
-  last rounds balanced by `costs()`, each tile's `band_costs`, with
-  `BackwardConfig.balanced_tail`); else one CTA per tile (`descending`: a head's last tile
-  first). A bias's sparse stream, segment ids and `BackwardConfig.fused_dq` keep one CTA per
-  tile."""
+  H200 (`config.PERSISTENT_BACKWARD_MAX_STEPS`, `scheduler.persistent`: mirror pairs under a
+  causal bound, their tail balanced by `costs()` with `BackwardConfig.balanced_tail`); else
+  one CTA per tile (`descending`: a head's last tile first). A bias's sparse stream, segment
+  ids and `BackwardConfig.fused_dq` keep one CTA per tile."""
   paired = opts.mask.upper is not None and opts.mask.left is None
   limit = config_lib.PERSISTENT_BACKWARD_MAX_STEPS.get((kernel, head_dim, paired), 0)
   persistent = (steps <= limit and stages >= 2
                 and not (opts.bias or opts.segments or opts.config.fused_dq))
   if not persistent:
     return scheduler.per_tile(num_tiles, num_heads, batch, rows_per_tile, descending)
-  max_ctas = opts.max_ctas or hardware.num_sms()
-  if paired and opts.config.balanced_tail and costs is not None:
-    return scheduler.balanced_pairs(num_tiles, num_heads, batch, rows_per_tile, max_ctas,
-                                    costs())
-  return scheduler.make(num_tiles, num_heads, batch, rows_per_tile, max_ctas, paired=paired)
+  return scheduler.persistent(num_tiles, num_heads, batch, rows_per_tile,
+                              opts.max_ctas or hardware.num_sms(), paired=paired,
+                              balanced_tail=opts.config.balanced_tail, costs=costs)
 
 
 def keys_of(batch, kv_lens_ref, dims: Dims):

@@ -549,10 +549,9 @@ def dkv(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None
   sched = common.backward_schedule("dkv", num_kv_tiles, dims.num_kv_heads, dims.batch, keys,
                                    steps=dims.group * pl.cdiv(q.shape[1], cfg.block_q),
                                    stages=cfg.num_stages, head_dim=dims.head_dim, opts=opts,
-                                   costs=lambda: common.band_costs(
-                                       num_kv_tiles, keys, lambda key0: masking.q_block_range(
-                                           opts.mask, key0, keys, q.shape[1], cfg.block_q),
-                                       per_block=dims.group))
+                                   costs=lambda: common.key_tile_costs(
+                                       opts.mask, num_kv_tiles, keys, q.shape[1], cfg.block_q,
+                                       dims.group))
   return common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
       delta, *masks.arrays(), *sched.inputs(), *([] if dq_acc is None else [dq_acc]),

@@ -428,9 +428,8 @@ def dq(q, k, v, do, lse_log2, delta, opts: common.BackwardOptions, kv_lens=None,
                                    steps=pl.cdiv(k.shape[1], cfg.dq_keys),
                                    stages=cfg.dq_stages, head_dim=dims.head_dim, opts=opts,
                                    descending=opts.mask.upper is not None,
-                                   costs=lambda: common.band_costs(
-                                       num_q_tiles, rows, lambda row0: masking.kv_block_range(
-                                           opts.mask, row0, rows, k.shape[1], cfg.dq_keys)))
+                                   costs=lambda: common.query_tile_costs(
+                                       opts.mask, num_q_tiles, rows, k.shape[1], cfg.dq_keys))
   out = common.launch(
       functools.partial(_entry, dims=dims, sched=sched, opts=opts), q, k, v, do, lse_log2,
       delta, *masks.arrays(), *sched.inputs(), out_type=out_type, grid=(sched.num_ctas,),

@@ -597,14 +597,11 @@ def _schedule(num_tiles: int, num_heads: int, batch: int, seq_kv: int,
   (causal), so tiles go in mirror pairs, the last rounds balanced by the tiles' KV blocks
   with `ForwardConfig.balanced_tail`; else persistent CTAs."""
   cfg = opts.config
-  max_ctas = opts.max_ctas or hardware.num_sms()
-  paired = opts.mask.upper is not None and opts.mask.left is None
-  if not (paired and cfg.balanced_tail):
-    return scheduler.make(num_tiles, num_heads, batch, cfg.rows_per_cta, max_ctas, paired)
-  rows = cfg.rows_per_cta
-  costs = common.band_costs(num_tiles, rows, lambda row0: masking.kv_block_range(
-      opts.mask, row0, rows, seq_kv, cfg.block_kv))
-  return scheduler.balanced_pairs(num_tiles, num_heads, batch, rows, max_ctas, costs)
+  return scheduler.persistent(
+      num_tiles, num_heads, batch, cfg.rows_per_cta, opts.max_ctas or hardware.num_sms(),
+      paired=opts.mask.upper is not None and opts.mask.left is None,
+      balanced_tail=cfg.balanced_tail, costs=lambda: common.query_tile_costs(
+          opts.mask, num_tiles, cfg.rows_per_cta, seq_kv, cfg.block_kv))
 
 
 def attention_forward(q, k, v, opts: ForwardOptions, kv_lens=None, segment_ids=None,
