@@ -22,7 +22,9 @@ share one (batch, head)'s K/V in L2:
   1024 or 2048 pairs on 132 SMs, so 3% of the SM time goes idle in the last round. The
   kernel reads this schedule from a small table (`inputs`, `bind`).
 
-A tile here is any CTA's run of rows along one sequence: the dK/dV kernel's are key tiles.
+The kernels take a schedule from `persistent` (the first, second or last, decided there for
+the forward and the backward alike) or `per_tile`. A tile here is any CTA's run of rows along
+one sequence: the dK/dV kernel's are key tiles.
 """
 
 from __future__ import annotations
