@@ -78,6 +78,12 @@ class MaskSpec:
     return dataclasses.replace(self, left=left, right=right)
 
   @property
+  def cost_grows_along_queries(self) -> bool:
+    """Whether a query tile's visible keys grow with its row (bounded above, not on the
+    left: causal), so that tiles pair with their mirror to even the work (`scheduler`)."""
+    return self.upper is not None and self.left is None
+
+  @property
   def banded(self) -> bool:
     """Whether anything but the end of the keys is masked."""
     return self.upper is not None or self.left is not None

@@ -143,6 +143,26 @@ def test_empty_rows_match_brute_force(spec, seq_q, seq_kv):
   np.testing.assert_array_equal(masking.empty_rows(spec, seq_q, seq_kv), ~vis.any(axis=1))
 
 
+@pytest.mark.parametrize("spec, grows", [
+    (masking.MaskSpec(is_causal=True), True),
+    (masking.MaskSpec(is_causal=True, offset=40), True),
+    (masking.MaskSpec(right=8), True),
+    (masking.MaskSpec(), False),
+    (masking.MaskSpec(is_causal=True, left=16), False),
+    (masking.MaskSpec(left=16), False),
+])
+def test_cost_grows_along_queries(spec, grows):
+  assert spec.cost_grows_along_queries == grows
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=specs(), seq_q=st.integers(1, 300), seq_kv=st.integers(1, 300))
+def test_cost_grows_along_queries_means_no_row_sees_fewer_keys(spec, seq_q, seq_kv):
+  counts = _visible(spec, np.arange(seq_q), np.arange(seq_kv), seq_kv).sum(axis=1)
+  if spec.cost_grows_along_queries:
+    assert (np.diff(counts) >= 0).all(), counts
+
+
 @st.composite
 def id_rows(draw, length):
   """(1, length) int32 segment ids: sorted runs (packing) or arbitrary, from few values."""

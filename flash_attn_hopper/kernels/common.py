@@ -150,7 +150,7 @@ def backward_schedule(kernel: str, num_tiles: int, num_heads: int, batch: int,
   causal bound, their tail balanced by `costs()` with `BackwardConfig.balanced_tail`); else
   one CTA per tile (`descending`: a head's last tile first). A bias's sparse stream, segment
   ids and `BackwardConfig.fused_dq` keep one CTA per tile."""
-  paired = opts.mask.upper is not None and opts.mask.left is None
+  paired = opts.mask.cost_grows_along_queries
   limit = config_lib.PERSISTENT_BACKWARD_MAX_STEPS.get((kernel, head_dim, paired), 0)
   persistent = (steps <= limit and stages >= 2
                 and not (opts.bias or opts.segments or opts.config.fused_dq))

@@ -599,7 +599,7 @@ def _schedule(num_tiles: int, num_heads: int, batch: int, seq_kv: int,
   cfg = opts.config
   return scheduler.persistent(
       num_tiles, num_heads, batch, cfg.rows_per_cta, opts.max_ctas or hardware.num_sms(),
-      paired=opts.mask.upper is not None and opts.mask.left is None,
+      paired=opts.mask.cost_grows_along_queries,
       balanced_tail=cfg.balanced_tail, costs=lambda: common.query_tile_costs(
           opts.mask, num_tiles, cfg.rows_per_cta, seq_kv, cfg.block_kv))
 
