@@ -46,11 +46,13 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 
 def _add_grid_options(p: argparse.ArgumentParser):
   g = p.add_argument_group("what to run")
-  g.add_argument("--passes", help=f"comma list of {','.join(PASSES)} (default {DEFAULTS['passes']})")
+  g.add_argument("--passes",
+                 help=f"comma list of {','.join(PASSES)} (default {DEFAULTS['passes']})")
   g.add_argument("--seq-lens", help=f"T = S values (default {DEFAULTS['seq_lens']})")
   g.add_argument("--head-dims", help=f"D values (default {DEFAULTS['head_dims']})")
   g.add_argument("--causal", choices=tuple(CAUSAL), help="default both")
-  g.add_argument("--dtypes", help=f"comma list of {','.join(DTYPES)} (default {DEFAULTS['dtypes']})")
+  g.add_argument("--dtypes",
+                 help=f"comma list of {','.join(DTYPES)} (default {DEFAULTS['dtypes']})")
   g.add_argument("--models", nargs="?", const="all", default=None, metavar="NAMES",
                  help="also run workloads.MODEL_SHAPES (all, or a comma list of names)")
   g.add_argument("--no-grid", action="store_true", help="skip the T sweep (e.g. models only)")

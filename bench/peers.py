@@ -161,14 +161,16 @@ def _mgpu_limits(workload: Workload, pass_name: str) -> str | None:
 
 
 def _mgpu_fn(q, k, v, workload: Workload):
-  from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
   config = attention_mgpu.TuningConfig(causal=workload.is_causal,
                                        **_mgpu_blocks(workload.head_dim))
   return attention_mgpu.attention(q, k, v, config, False)
 
 
 def _mgpu_peer() -> Peer:
-  from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  # pylint: disable-next=import-outside-toplevel,unused-import
+  from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: F401
   return Peer("mgpu", _mgpu_fn, limits=_mgpu_limits, fixed_scale=1.0,
               description="jax.experimental.pallas.ops.gpu.attention_mgpu.attention "
               "(no scale argument: fed q pre-scaled by 1/sqrt(D))")

@@ -43,7 +43,8 @@ def resolve_timer(kind: str) -> str:
   if jax.default_backend() != "gpu":
     return "wall"
   try:
-    from jax.experimental.mosaic.gpu import profiler  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    # pylint: disable-next=import-outside-toplevel,unused-import
+    from jax.experimental.mosaic.gpu import profiler  # noqa: F401
   except ImportError:
     return "wall"
   return "cupti"

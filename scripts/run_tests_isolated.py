@@ -99,7 +99,8 @@ def main() -> int:
       results[n] = _run_one(test_id, min(args.timeout, left), 0.9)
       print(f"{results[n][1]:8s} {results[n][2]:6.1f}s {test_id} (again, alone)", flush=True)
 
-  counts = {s: sum(r[1] == s for r in results) for s in ("PASSED", "FAILED", "TIMEOUT", "SKIPPED", "NOT RUN")}
+  counts = {s: sum(r[1] == s for r in results)
+            for s in ("PASSED", "FAILED", "TIMEOUT", "SKIPPED", "NOT RUN")}
   summary = ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
   with open(args.log, "w") as f:
     f.write(f"gpu tests: {summary}\n")

@@ -288,7 +288,8 @@ def test_count_table_of_a_mask_equals_its_block_table(seed, rows, cols, granule,
   with whole blocks of ones (full), of zeros, and mixed ones."""
   rng = np.random.default_rng(seed)
   coarse = rng.random((-(-rows // 32), -(-cols // 32))) < 0.7
-  mask = np.kron(coarse, np.ones((32, 32), bool))[:rows, :cols] & (rng.random((rows, cols)) < density)
+  mask = np.kron(coarse, np.ones((32, 32), bool))[:rows, :cols]
+  mask &= rng.random((rows, cols)) < density
   want = masking.mask_block_table(mask, mask, *granule)
   got = masking.mask_count_table(mask.astype(np.uint8), *granule)
   for g, w in zip(got, want):

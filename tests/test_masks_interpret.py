@@ -167,7 +167,8 @@ def _bias_cases(rng, t, s, name):
   mask = jnp.asarray(rng.random((1, 4, t, s)) > 0.3)                    # per head
   mask = mask.at[0, 1, 5].set(False)                                   # a row that sees nothing
   mask = mask & (jnp.arange(s) < s // 2)                                # whole blocks skipped
-  padding = jnp.asarray(np.arange(s)[None, None, None, :] < np.array([s, s // 3])[:, None, None, None])
+  lengths = np.array([s, s // 3])[:, None, None, None]
+  padding = jnp.asarray(np.arange(s)[None, None, None, :] < lengths)
   # Causal as a mask, shifted, with the last keys cut: blocks fully visible (no bias tile
   # streamed), blocks on the edge, and blocks skipped.
   shifted = (np.arange(s)[None, :] <= np.arange(t)[:, None] + 10) & (np.arange(s) < s - 30)
