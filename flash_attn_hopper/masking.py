@@ -80,7 +80,8 @@ class MaskSpec:
   @property
   def cost_grows_along_queries(self) -> bool:
     """Whether a query tile's visible keys grow with its row (bounded above, not on the
-    left: causal), so that tiles pair with their mirror to even the work (`scheduler`)."""
+    left: causal). A key tile's visible queries then shrink with its key, so either kernel's
+    tiles pair with their mirror to even the work (`scheduler`)."""
     return self.upper is not None and self.left is None
 
   @property
